@@ -1,0 +1,77 @@
+"""The one dispatch point between the torch path and the fused kernels.
+
+Fused kernels are optional: they are imported lazily, and ``backend="auto"`` falls back to the
+torch path wherever a kernel is missing or does not cover a parameter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..functional import StepConfig, torch_step_
+from ..state import EXP_AVG_SQ
+
+__all__ = ["BACKENDS", "available_backends", "check_backend", "step_kernel"]
+
+BACKENDS = ("auto", "torch", "numba", "triton")
+
+StepKernel = Callable[[Tensor, Tensor, dict[str, Any], StepConfig], None]
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def available_backends() -> list[str]:
+    """Backends that can run on this machine (``auto`` and ``torch`` always can)."""
+    found = ["auto", "torch"]
+    if _has_module("numba"):
+        found.append("numba")
+    if _has_module("triton") and torch.cuda.is_available():
+        found.append("triton")
+    return found
+
+
+def check_backend(name: str) -> None:
+    """Raise ``ValueError`` for an unknown backend, ``RuntimeError`` for an unavailable one."""
+    if name not in BACKENDS:
+        raise ValueError(f"Unknown backend: {name!r}. It needs to be one of {list(BACKENDS)}")
+    if name not in available_backends():
+        hint = "pip install numba" if name == "numba" else "a CUDA device and pip install triton"
+        raise RuntimeError(f"backend {name!r} is not available here ({hint})")
+
+
+def _numba_covers(param: Tensor) -> bool:
+    return param.device.type == "cpu" and param.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _triton_covers(param: Tensor) -> bool:
+    return param.is_cuda and param.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKernel:
+    """The kernel that updates ``param`` under ``backend``.
+
+    Dense (``vector_reshape=False``) and complex parameters always take the torch path: they are
+    small vectors or rare. A named backend that cannot take ``param`` raises ``RuntimeError``.
+    """
+    if backend == "torch" or EXP_AVG_SQ in state or param.is_complex():
+        return torch_step_
+    if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba"):
+        from .numba_cpu import numba_step_
+
+        return numba_step_
+    if backend in ("auto", "triton") and _triton_covers(param) and _has_module("triton"):
+        from .triton_gpu import triton_step_
+
+        return triton_step_
+    if backend == "auto":
+        return torch_step_
+    raise RuntimeError(
+        f"backend {backend!r} cannot update a {param.dtype} parameter on {param.device}; "
+        "use backend='auto' to fall back to the torch path"
+    )

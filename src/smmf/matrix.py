@@ -1,0 +1,92 @@
+"""The math of SMMF on plain tensors: shape choice, rank-1 NNMF, sign packing, schedules.
+
+Everything here is pure (no optimizer state, no dispatch) so that the torch path, the fused
+kernels, the memory predictor and the tests all share one definition.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "square_matricize_shape",
+    "nnmf",
+    "pack_signs",
+    "unpack_signs",
+    "packed_sign_bytes",
+    "beta1_at",
+    "beta2_at",
+]
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def square_matricize_shape(numel: int) -> tuple[int, int]:
+    """Shape ``(n, m)`` with ``n * m == numel``, ``n >= m`` and ``n + m`` minimal (Alg. 2).
+
+    ``m`` is the largest divisor of ``numel`` not above ``floor(sqrt(numel))``; a prime gives
+    ``(numel, 1)``, ``1`` gives ``(1, 1)`` and an empty tensor gives ``(0, 0)``.
+    """
+    if numel < 0:
+        raise ValueError(f"numel should be >= 0 but is: {numel}")
+    if numel == 0:
+        return 0, 0
+    for cols in range(math.isqrt(numel), 0, -1):
+        if numel % cols == 0:
+            return numel // cols, cols
+    raise AssertionError("unreachable: 1 divides every positive integer")
+
+
+def nnmf(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """Rank-1 non-negative factorization ``matrix ≈ r cᵀ`` (Adafactor's NNMF).
+
+    ``r`` holds the row sums and ``c`` the column sums divided by the total, so that
+    ``r cᵀ = rowsum · colsum / total``. An all-zero matrix gives all-zero factors, never NaN.
+    """
+    rows = matrix.sum(dim=1)
+    cols = matrix.sum(dim=0)
+    total = rows.sum()
+    cols.div_(torch.where(total > 0, total, torch.ones_like(total)))
+    return rows, cols
+
+
+def packed_sign_bytes(numel: int) -> int:
+    """Bytes needed to hold ``numel`` signs at 8 per byte."""
+    return (numel + 7) // 8
+
+
+def pack_signs(nonnegative: Tensor) -> Tensor:
+    """Pack a boolean tensor (True = ``M >= 0``) into uint8, 8 per byte, little-endian bits.
+
+    Element ``k`` of the row-major flattening lives in bit ``k % 8`` of byte ``k // 8``; the
+    padding bits of the last byte are zero.
+    """
+    flat = nonnegative.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    shifts = _BIT_SHIFTS.to(flat.device)
+    return (flat.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: Tensor, numel: int) -> Tensor:
+    """Inverse of :func:`pack_signs`: a flat boolean tensor of ``numel`` elements."""
+    shifts = _BIT_SHIFTS.to(packed.device)
+    bits = (packed.reshape(-1, 1) >> shifts) & 1
+    return bits.reshape(-1)[:numel].bool()
+
+
+def beta1_at(beta: float, growth_rate: Optional[float], step: int) -> float:
+    """First-moment coefficient ``β1·λ^(t-1)`` (AdamNC schedule); constant when ``λ`` is None."""
+    if growth_rate is None:
+        return beta
+    return beta * growth_rate ** (step - 1)
+
+
+def beta2_at(decay_rate: float, step: int) -> float:
+    """Second-moment coefficient ``1 - t^γ`` (Adafactor schedule); ``β2_1 = 0``."""
+    return 1.0 - step**decay_rate

@@ -1,0 +1,234 @@
+"""``SMMF``: the optimizer contract (validation, lazy state, checkpoints); the math is elsewhere."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Literal, Optional, Union, cast
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .functional import StepConfig
+from .kernels import BACKENDS, check_backend, step_kernel
+from .matrix import beta1_at, beta2_at
+from .state import STEP, check_loaded_state, init_state, state_layout
+
+__all__ = ["SMMF"]
+
+ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
+WEIGHT_DECAY_MODES = ("adamw", "adam")
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    """One check per hyperparameter; each message states the rule and the value."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element but has {lr.numel()} elements")
+        lr = lr.item()
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+    beta = group["beta"]
+    if beta is not None and not 0.0 <= beta < 1.0:
+        raise ValueError(f"Invalid beta: {beta} (must be None or in [0, 1))")
+    if not 0.0 <= group["eps"]:
+        raise ValueError(f"Invalid epsilon value: {group['eps']} (must be >= 0)")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be >= 0)")
+    if not -1.0 <= group["decay_rate"] <= 0.0:
+        raise ValueError(f"Invalid decay_rate: {group['decay_rate']} (must be in [-1, 0])")
+    growth_rate = group["growth_rate"]
+    if growth_rate is not None and not 0.0 <= growth_rate <= 1.0:
+        raise ValueError(f"Invalid growth_rate: {growth_rate} (must be None or in [0, 1])")
+    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
+        raise ValueError(
+            f"Unknown weight_decay_mode: {group['weight_decay_mode']!r}. "
+            f"It needs to be one of {list(WEIGHT_DECAY_MODES)}"
+        )
+    for flag in ("vector_reshape", "maximize", "stochastic_rounding"):
+        if not isinstance(group[flag], bool):
+            raise ValueError(f"{flag} should be a bool but is: {group[flag]!r}")
+    check_backend(group["backend"])
+
+
+class SMMF(Optimizer):
+    r"""Square-Matricized Momentum Factorization (Park & Lee, AAAI-25).
+
+    .. math::
+       \begin{aligned}
+         &\textbf{input}: \eta \text{ (lr)}, \beta_1 \text{ (beta)}, \lambda \text{ (growth\_rate)},
+            \gamma \text{ (decay\_rate)}, \epsilon, w \text{ (weight\_decay)} \\
+         &\textbf{initialize}: r_M, c_M, S_M, r_V, c_V \leftarrow 0;\;
+            (\hat n, \hat m) \leftarrow \text{square-matricize}(\text{numel}(W)) \\
+         &\textbf{for}\: t = 1, 2, \ldots \\
+         &\quad \bar G \leftarrow \nabla_W f \text{ viewed as } \hat n \times \hat m
+            \;(+\, w W \text{ in adam mode});\quad
+            W \leftarrow W (1 - \eta w) \text{ in adamw mode} \\
+         &\quad \beta_{1,t} \leftarrow \beta_1 \lambda^{t-1};\quad \beta_{2,t} \leftarrow 1 - t^{\gamma} \\
+         &\quad M \leftarrow \beta_{1,t}\, S_M \odot (r_M c_M^\top) + (1 - \beta_{1,t}) \bar G \\
+         &\quad V \leftarrow \beta_{2,t}\, r_V c_V^\top + (1 - \beta_{2,t}) \bar G^2 \\
+         &\quad S_M \leftarrow [M \ge 0];\; (r_M, c_M) \leftarrow \text{NNMF}(|M|);\;
+            (r_V, c_V) \leftarrow \text{NNMF}(V) \\
+         &\quad W \leftarrow W - \eta\, M / (\sqrt{V} + \epsilon) \\
+       \end{aligned}
+
+    ``NNMF(A)`` is the rank-1 factorization ``r = A·1``, ``c = 1ᵀA / 1ᵀA1`` and
+    ``(n̂, m̂)`` minimizes ``n̂ + m̂`` over ``n̂·m̂ = numel``. The state of a tensor is
+    ``ceil(n̂·m̂/8)`` bytes of signs plus four fp32 vectors (fp64 for fp64 params).
+
+    Args:
+        params: iterable of parameters or dicts defining parameter groups.
+        lr: learning rate η, a float or a 1-element tensor (default: 1e-3).
+        beta: first-moment coefficient β1; ``None`` keeps no first moment (default: 0.9).
+        eps: added to ``sqrt(V)`` (default: 1e-8).
+        weight_decay: weight-decay coefficient (default: 0).
+        decay_rate: γ in ``β2_t = 1 − t^γ``, in [−1, 0]; −0.5 for CNNs, −0.8 for
+            Transformers (default: −0.5).
+        growth_rate: λ in ``β1_t = β1·λ^(t−1)``; ``None`` keeps β1 constant (default: 0.999).
+        vector_reshape: square-matricize 1-D tensors too; ``False`` keeps dense M and V for
+            them (default: True).
+        weight_decay_mode: ``"adamw"`` (decoupled) or ``"adam"`` (L2 added to the gradient;
+            use a coefficient ~1000× smaller) (default: ``"adamw"``).
+        maximize: maximize the objective instead of minimizing it (default: False).
+        stochastic_rounding: round bf16 parameters stochastically when writing the update
+            back (default: False).
+        backend: ``"auto"`` (fused kernel when one covers the parameter, else torch),
+            ``"torch"``, ``"numba"`` or ``"triton"`` (default: ``"auto"``).
+
+    .. note::
+        The sign matrix is stored 8 signs per byte (uint8), as the paper counts it; the
+        authors' code stores one ``bool`` per element. The sign is ``M >= 0`` as in the paper
+        (the authors' code tests ``M > 0``).
+
+    .. note::
+        ε is added outside the square root, ``M / (sqrt(V) + ε)``, as in Adam; Alg. 1 of the
+        paper writes ``sqrt(V + ε)``. No bias correction is applied (β2_1 = 0, so V_1 = G²).
+
+    .. note::
+        Factors stay fp32 for bf16/fp16 parameters and the math runs in fp32, so ε does not
+        underflow; :meth:`load_state_dict` keeps fp32 factors and uint8 signs (plain torch
+        would cast them to the parameter dtype). Complex parameters are optimized through
+        ``torch.view_as_real``.
+
+    Paper: https://arxiv.org/abs/2412.08894
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: Union[float, Tensor] = 1e-3,
+        beta: Optional[float] = 0.9,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decay_rate: float = -0.5,
+        growth_rate: Optional[float] = 0.999,
+        vector_reshape: bool = True,
+        weight_decay_mode: Literal["adamw", "adam"] = "adamw",
+        *,
+        maximize: bool = False,
+        stochastic_rounding: bool = False,
+        backend: Literal["auto", "torch", "numba", "triton"] = "auto",
+    ) -> None:
+        defaults: dict[str, Any] = dict(
+            lr=lr,
+            beta=beta,
+            eps=eps,
+            weight_decay=weight_decay,
+            decay_rate=decay_rate,
+            growth_rate=growth_rate,
+            vector_reshape=vector_reshape,
+            weight_decay_mode=weight_decay_mode,
+            maximize=maximize,
+            stochastic_rounding=stochastic_rounding,
+            backend=backend,
+        )
+        _validate_group(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        try:
+            _validate_group(self.param_groups[-1])
+        except (ValueError, RuntimeError):
+            self.param_groups.pop()
+            raise
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("maximize", False)
+            group.setdefault("stochastic_rounding", False)
+            group.setdefault("backend", "auto")
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Check everything before touching anything: a rejected step changes no param or state.
+        work = []
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("SMMF does not support sparse gradients")
+                state = self.state.get(param) or init_state(param, group)
+                work.append((group, param, state, step_kernel(group["backend"], param, state)))
+        for group, param, state, kernel in work:
+            self.state[param] = state
+            state[STEP] += 1
+            kernel(param, param.grad, state, self._step_config(group, state[STEP]))
+        return loss
+
+    @staticmethod
+    def _step_config(group: dict[str, Any], step: int) -> StepConfig:
+        beta = group["beta"]
+        return StepConfig(
+            lr=float(group["lr"]),
+            beta1=None if beta is None else beta1_at(beta, group["growth_rate"], step),
+            beta2=beta2_at(group["decay_rate"], step),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["weight_decay_mode"] == "adamw",
+            maximize=group["maximize"],
+            stochastic_rounding=group["stochastic_rounding"],
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint, keeping fp32 factors and uint8 signs whatever the param dtype.
+
+        The checkpoint is checked against the parameters first; a checkpoint that does not fit
+        raises ``ValueError`` and leaves the optimizer untouched.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, "
+                f"the optimizer has {len(self.param_groups)}"
+            )
+        saved_state = state_dict["state"]
+        param_of: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"loaded parameter group {index} has {len(saved['params'])} parameters, "
+                    f"the optimizer's has {len(group['params'])}"
+                )
+            options = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+            _validate_group(options)
+            for param, pid in zip(group["params"], saved["params"]):
+                param_of[pid] = (param, options)
+                if pid in saved_state:
+                    check_loaded_state(param, options, saved_state[pid], f"parameter {pid}")
+        super().load_state_dict(state_dict)
+        # torch casts every floating (and uint8) state tensor to the param dtype: undo that
+        # from the saved tensors, which still have their own dtypes.
+        for pid, saved in saved_state.items():
+            param, options = param_of[pid]
+            state = self.state[param]
+            for key, spec in state_layout(param, options).items():
+                state[key] = saved[key].to(param.device, spec.dtype, copy=True)
+            state[STEP] = int(cast(Any, saved[STEP]))
