@@ -1,0 +1,72 @@
+"""A registry of optimizers under test, in the manner of torch's ``OptimizerInfo`` / ``optim_db``.
+
+Generic tests in ``test_optim_generic.py`` run every entry; ``torch.optim.Adam`` is the control.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from helpers import FUSED_BACKENDS
+from smmf import SMMF
+
+
+@dataclass(frozen=True)
+class ErrorInput:
+    kwargs: dict[str, Any]
+    error: type[Exception]
+    match: str
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    name: str
+    factory: Callable[..., torch.optim.Optimizer]
+    inputs: list[dict[str, Any]]  # constructor kwargs, each a variant every generic test runs
+    error_inputs: list[ErrorInput] = field(default_factory=list)
+    supports_complex: bool = True
+    atomic_step: bool = True  # a rejected step leaves the state untouched (Adam builds state first)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+SMMF_INPUTS: list[dict[str, Any]] = [
+    {},
+    {"lr": 1e-2, "weight_decay": 0.1},
+    {"lr": 1e-2, "weight_decay": 1e-4, "weight_decay_mode": "adam"},
+    {"beta": None, "growth_rate": None},
+    {"vector_reshape": False, "decay_rate": -0.8},
+    {"maximize": True},
+    {"lr": torch.tensor(1e-3)},
+]
+
+SMMF_ERRORS: list[ErrorInput] = [
+    ErrorInput({"lr": -1.0}, ValueError, r"Invalid learning rate: -1.0"),
+    ErrorInput({"lr": torch.tensor([1e-3, 1e-3])}, ValueError, r"Tensor lr must be 1-element"),
+    ErrorInput({"beta": 1.0}, ValueError, r"Invalid beta: 1.0 \(must be None or in \[0, 1\)\)"),
+    ErrorInput({"eps": -1e-8}, ValueError, r"Invalid epsilon value: -1e-08"),
+    ErrorInput({"weight_decay": -0.1}, ValueError, r"Invalid weight_decay value: -0.1"),
+    ErrorInput({"decay_rate": 0.5}, ValueError, r"Invalid decay_rate: 0.5 \(must be in \[-1, 0\]\)"),
+    ErrorInput({"decay_rate": -1.5}, ValueError, r"Invalid decay_rate: -1.5"),
+    ErrorInput({"growth_rate": 1.5}, ValueError, r"Invalid growth_rate: 1.5"),
+    ErrorInput({"weight_decay_mode": "l2"}, ValueError, r"Unknown weight_decay_mode: 'l2'. It needs to be one of \['adamw', 'adam'\]"),
+    ErrorInput({"vector_reshape": "yes"}, ValueError, r"vector_reshape should be a bool but is: 'yes'"),
+    ErrorInput({"backend": "cuda"}, ValueError, r"Unknown backend: 'cuda'. It needs to be one of"),
+]
+
+optim_db: list[OptimizerInfo] = [
+    OptimizerInfo(
+        "Adam",
+        torch.optim.Adam,
+        inputs=[{}, {"lr": 1e-2, "weight_decay": 0.1}, {"maximize": True}, {"lr": torch.tensor(1e-3)}],
+        error_inputs=[ErrorInput({"lr": -1.0}, ValueError, r"Invalid learning rate: -1.0")],
+        atomic_step=False,
+    ),
+    OptimizerInfo("SMMF-torch", partial(SMMF, backend="torch"), SMMF_INPUTS, SMMF_ERRORS),
+    *[OptimizerInfo(f"SMMF-{b}", partial(SMMF, backend=b), SMMF_INPUTS, SMMF_ERRORS) for b in FUSED_BACKENDS],
+]

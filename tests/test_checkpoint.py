@@ -1,0 +1,131 @@
+"""Checkpoints: bit-identical resume, dtypes preserved, bad checkpoints rejected without loss."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from helpers import FUSED_BACKENDS
+from smmf import SMMF
+
+
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 5)).to(dtype)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 3, 8, 8, generator=gen).to(next(model.parameters()).dtype)
+    opt.zero_grad()
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+
+
+def _roundtrip(obj: object) -> object:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", *FUSED_BACKENDS])
+def test_resume_is_bit_identical(backend: str) -> None:
+    straight = _model()
+    opt = SMMF(straight.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
+    for s in range(10):
+        _step(straight, opt, s)
+
+    first = _model()
+    opt1 = SMMF(first.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
+    for s in range(4):
+        _step(first, opt1, s)
+    checkpoint = _roundtrip({"model": first.state_dict(), "optim": opt1.state_dict()})
+    resumed = _model()
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = SMMF(resumed.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
+    opt2.load_state_dict(checkpoint["optim"])
+    for s in range(4, 10):
+        _step(resumed, opt2, s)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_fp32_factors_and_uint8_signs_after_load(dtype: torch.dtype) -> None:
+    model = _model(dtype)
+    opt = SMMF(model.parameters(), lr=1e-2)
+    for s in range(3):
+        _step(model, opt, s)
+    saved = _roundtrip(opt.state_dict())
+    opt2 = SMMF(_model(dtype).parameters(), lr=1e-2)
+    opt2.load_state_dict(saved)
+    for original, loaded in zip(opt.state.values(), opt2.state.values()):
+        assert loaded["sign_m"].dtype == torch.uint8
+        for key in ("row_m", "col_m", "row_v", "col_v"):
+            assert loaded[key].dtype == torch.float32
+            assert torch.equal(loaded[key], original[key])
+        assert torch.equal(loaded["sign_m"], original["sign_m"])
+        assert loaded["step"] == original["step"] == 3
+
+
+def test_loaded_state_does_not_alias_the_checkpoint() -> None:
+    model = _model()
+    opt = SMMF(model.parameters())
+    _step(model, opt, 0)
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)
+    _step(model, opt, 1)
+    assert not torch.equal(saved["state"][0]["row_v"], opt.state[next(model.parameters())]["row_v"])
+
+
+def _corrupt_shape(sd: dict) -> None:
+    sd["state"][0]["row_v"] = torch.zeros(3)
+
+
+def _drop_key(sd: dict) -> None:
+    del sd["state"][0]["sign_m"]
+
+
+def _extra_group(sd: dict) -> None:
+    sd["param_groups"].append(dict(sd["param_groups"][0], params=[]))
+
+
+def _bad_option(sd: dict) -> None:
+    sd["param_groups"][0]["decay_rate"] = 2.0
+
+
+def _mismatched_option(sd: dict) -> None:
+    sd["param_groups"][0]["beta"] = None  # the saved state has a first moment
+
+
+@pytest.mark.parametrize(
+    "corrupt,match",
+    [
+        (_corrupt_shape, r"state 'row_v' has shape \(3,\) but a parameter of shape"),
+        (_drop_key, r"state keys .* do not fit"),
+        (_extra_group, r"has 2 parameter groups, the optimizer has 1"),
+        (_bad_option, r"Invalid decay_rate: 2.0"),
+        (_mismatched_option, r"state keys .* do not fit"),
+    ],
+)
+def test_bad_checkpoint_is_rejected_and_changes_nothing(corrupt, match: str) -> None:
+    model = _model()
+    opt = SMMF(model.parameters())
+    for s in range(2):
+        _step(model, opt, s)
+    before = copy.deepcopy(opt.state_dict())
+    params_before = [p.detach().clone() for p in model.parameters()]
+    bad = copy.deepcopy(before)
+    corrupt(bad)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(after["state"][pid][k]), torch.as_tensor(v))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), params_before))

@@ -1,0 +1,99 @@
+"""Low-precision params, stochastic rounding, state size, and long-run stability."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import state_tensors_bytes
+from smmf import SMMF
+from smmf.functional import write_back_
+from smmf.matrix import square_matricize_shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_low_precision_trains_with_fp32_factors(dtype: torch.dtype, backend: str) -> None:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 16).to(dtype))
+    target = torch.randn(16, 16)
+    opt = SMMF([w], lr=1e-2, backend=backend)
+    first = (w.float() - target).pow(2).sum().item()
+    for _ in range(100):
+        opt.zero_grad()
+        (w.float() - target).pow(2).sum().backward()
+        opt.step()
+    assert w.dtype == dtype
+    assert (w.float() - target).pow(2).sum().item() < 0.8 * first
+    for key in ("row_m", "col_m", "row_v", "col_v"):
+        assert opt.state[w][key].dtype == torch.float32
+
+
+def test_fp16_tiny_gradients_do_not_underflow_eps() -> None:
+    """In fp16 1e-8 is 0; the math runs in fp32 so tiny and zero grads stay finite."""
+    w = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.float16))
+    opt = SMMF([w], lr=1e-3, backend="torch")
+    for g in (torch.zeros(8, 8), torch.full((8, 8), 1e-7)):
+        w.grad = g.to(torch.float16)
+        opt.step()
+        assert torch.isfinite(w).all()
+        assert all(torch.isfinite(v).all() for k, v in opt.state[w].items() if k != "step")
+
+
+def test_stochastic_rounding_is_unbiased() -> None:
+    target = torch.full((20000,), 1.0 + 2.0**-10, dtype=torch.float32)  # 1/8 ulp of bf16 above 1
+    nearest = torch.empty(20000, dtype=torch.bfloat16)
+    write_back_(nearest, target, stochastic_rounding=False)
+    assert torch.equal(nearest.float(), torch.ones(20000))
+    rounded = torch.empty(20000, dtype=torch.bfloat16)
+    write_back_(rounded, target, stochastic_rounding=True)
+    assert set(rounded.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert abs(rounded.float().mean().item() - target[0].item()) < 2e-4
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_stochastic_rounding_moves_bf16_weights_that_nearest_rounding_freezes(backend: str) -> None:
+    results = {}
+    for sr in (False, True):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.ones(32, 32, dtype=torch.bfloat16))
+        opt = SMMF([w], lr=1e-4, stochastic_rounding=sr, backend=backend)
+        for _ in range(50):
+            w.grad = torch.ones_like(w)
+            opt.step()
+        results[sr] = w.float().mean().item()
+    assert results[False] == 1.0  # each update is below half an ulp
+    assert results[True] < 0.999
+
+
+def test_state_bytes_follow_the_formula() -> None:
+    shapes = [(12564, 768), (2304, 768), (768, 3072), (768,), (64, 3, 7, 7), (13,), ()]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = SMMF(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    expected = 0
+    for p in params:
+        n, m = square_matricize_shape(p.numel())
+        expected += (n * m + 7) // 8 + 4 * 2 * (n + m)
+    assert state_tensors_bytes(opt) == expected
+    adam = torch.optim.Adam(params)
+    adam.step()
+    assert state_tensors_bytes(adam) > 50 * expected
+
+
+@pytest.mark.slow
+def test_long_run_stays_finite() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = SMMF(model.parameters(), lr=1e-3, weight_decay=1e-4)
+    x, y = torch.randn(256, 16), torch.randn(256, 1)
+    for _ in range(10_000):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(v).all() for st in opt.state.values() for k, v in st.items() if k != "step")
