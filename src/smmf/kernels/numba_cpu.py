@@ -53,64 +53,132 @@ def _store_bf16(dst, start, row, sr):
         dst[start + j] = np.int16(np.int32(u >> np.uint32(16)) - (65536 if (u >> np.uint32(31)) else 0))
 
 
+# Reassociation lets LLVM vectorize the row/column sums; no-NaN/no-inf flags stay off so that
+# non-finite values propagate exactly as on the torch path.
+_FASTMATH = {"reassoc", "contract", "nsz"}
+
+
+@numba.njit(inline="always")
+def _unpack_row(signs, start, length, out):
+    """±1 per element of ``signs`` bits ``start .. start+length``."""
+    for j in range(length):
+        k = start + j
+        out[j] = np.float32(((signs[k >> 3] >> (k & 7)) & 1) * 2 - 1)
+
+
+@numba.njit(inline="always")
+def _pack_row(signs, start, length, nonneg):
+    """Write ``nonneg`` (0/1 per element) into the bits ``start .. start+length`` of ``signs``."""
+    end = start + length
+    for byte in range(start >> 3, ((end - 1) >> 3) + 1):
+        lo = max(start, byte * 8)
+        hi = min(end, byte * 8 + 8)
+        value = signs[byte]
+        for k in range(lo, hi):
+            bit = 1 << (k & 7)
+            value = (value | bit) if nonneg[k - start] else (value & ~bit)
+        signs[byte] = value
+
+
+@numba.njit(fastmath=_FASTMATH, inline="always")
+def _row_with_momentum(wrow, grow, msign, nonneg, col_m, col_v, acc_m, acc_v, rm, rv,
+                       lr, beta1, beta2, eps, gsign, shrink, l2):
+    one = beta2 - beta2 + 1  # 1 in the work dtype
+    sum_m = beta2 - beta2
+    sum_v = beta2 - beta2
+    for j in range(wrow.shape[0]):
+        wj = wrow[j] * shrink
+        gj = grow[j] * gsign + l2 * wj
+        vj = beta2 * (rv * col_v[j]) + (one - beta2) * (gj * gj)
+        mj = beta1 * (rm * col_m[j] * msign[j]) + (one - beta1) * gj
+        nonneg[j] = mj >= 0
+        a = abs(mj)
+        sum_m += a
+        sum_v += vj
+        acc_m[j] += a
+        acc_v[j] += vj
+        wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
+    return sum_m, sum_v
+
+
+@numba.njit(fastmath=_FASTMATH, inline="always")
+def _row_with_momentum_bytes(wrow, grow, signs, first_byte, sign_table, col_m, col_v, acc_m, acc_v,
+                             rm, rv, lr, beta1, beta2, eps, gsign, shrink, l2):
+    """Same as :func:`_row_with_momentum` for a row that starts and ends on a byte boundary:
+    the signs are read and written a byte (8 elements) at a time."""
+    one = beta2 - beta2 + 1
+    sum_m = beta2 - beta2
+    sum_v = beta2 - beta2
+    for bb in range(wrow.shape[0] >> 3):
+        old = signs[first_byte + bb]
+        new = np.uint8(0)
+        for t in range(8):
+            j = bb * 8 + t
+            wj = wrow[j] * shrink
+            gj = grow[j] * gsign + l2 * wj
+            vj = beta2 * (rv * col_v[j]) + (one - beta2) * (gj * gj)
+            mj = beta1 * (rm * col_m[j] * sign_table[old, t]) + (one - beta1) * gj
+            new |= np.uint8(mj >= 0) << np.uint8(t)
+            a = abs(mj)
+            sum_m += a
+            sum_v += vj
+            acc_m[j] += a
+            acc_v[j] += vj
+            wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
+        signs[first_byte + bb] = new
+    return sum_m, sum_v
+
+
+@numba.njit(fastmath=_FASTMATH, inline="always")
+def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, eps, gsign, shrink, l2):
+    one = beta2 - beta2 + 1
+    sum_v = beta2 - beta2
+    for j in range(wrow.shape[0]):
+        wj = wrow[j] * shrink
+        gj = grow[j] * gsign + l2 * wj
+        vj = beta2 * (rv * col_v[j]) + (one - beta2) * (gj * gj)
+        sum_v += vj
+        acc_v[j] += vj
+        wrow[j] = wj - lr * (gj / (math.sqrt(vj) + eps))
+    return sum_v
+
+
 def _make_kernel(load, store):
-    @numba.njit(parallel=True, fastmath=False, nogil=True)
+    @numba.njit(parallel=True, nogil=True)
     def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v,
-               n, m, rows_per_block, lr, beta1, has_m, beta2, eps, wd, decoupled, maximize, sr):
+               n, m, rows_per_block, lr, beta1, has_m, beta2, eps, gsign, shrink, l2, sr, sign_table):
         nblocks = col_acc_v.shape[0]
-        shrink = 1.0 - lr * wd if decoupled else 1.0
-        l2 = 0.0 if decoupled else wd
         for b in numba.prange(nblocks):
-            first_row = b * rows_per_block
-            last_row = min(n, first_row + rows_per_block)
-            acc_m = col_acc_m[b]
             acc_v = col_acc_v[b]
-            acc_m[:] = 0.0
-            acc_v[:] = 0.0
+            acc_v[:] = 0
+            if has_m:
+                acc_m = col_acc_m[b]
+                acc_m[:] = 0
             wbuf = np.empty(m, dtype=np.uint32)
             gbuf = np.empty(m, dtype=np.uint32)
-            old_byte = 0
-            new_byte = 0
-            block_end = last_row * m
-            for i in range(first_row, last_row):
+            msign = np.empty(m, dtype=row_v.dtype)
+            nonneg = np.empty(m, dtype=np.bool_)
+            for i in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
                 start = i * m
                 wrow = load(w, start, m, wbuf)
                 grow = load(g, start, m, gbuf)
-                rm = row_m[i] if has_m else 0.0
-                rv = row_v[i]
-                sum_m = 0.0
-                sum_v = 0.0
-                for j in range(m):
-                    gj = -grow[j] if maximize else grow[j]
-                    wj = wrow[j] * shrink
-                    gj = gj + l2 * wj
-                    vj = beta2 * (rv * col_v[j]) + (1.0 - beta2) * gj * gj
-                    sum_v += vj
-                    acc_v[j] += vj
-                    if has_m:
-                        k = start + j
-                        bit = k & 7
-                        if bit == 0:
-                            old_byte = signs[k >> 3]
-                            new_byte = 0
-                        mhat = rm * col_m[j]
-                        if not (old_byte >> bit) & 1:
-                            mhat = -mhat
-                        mj = beta1 * mhat + (1.0 - beta1) * gj
-                        if mj >= 0:
-                            new_byte |= 1 << bit
-                        if bit == 7 or k == block_end - 1:
-                            signs[k >> 3] = new_byte
-                        a = abs(mj)
-                        sum_m += a
-                        acc_m[j] += a
-                        wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
-                    else:
-                        wrow[j] = wj - lr * (gj / (math.sqrt(vj) + eps))
-                store(w, start, wrow, sr)
-                if has_m:
+                if has_m and m % 8 == 0:
+                    sum_m, sum_v = _row_with_momentum_bytes(
+                        wrow, grow, signs, start >> 3, sign_table, col_m, col_v, acc_m, acc_v,
+                        row_m[i], row_v[i], lr, beta1, beta2, eps, gsign, shrink, l2)
                     row_m[i] = sum_m
+                elif has_m:
+                    _unpack_row(signs, start, m, msign)
+                    sum_m, sum_v = _row_with_momentum(
+                        wrow, grow, msign, nonneg, col_m, col_v, acc_m, acc_v, row_m[i], row_v[i],
+                        lr, beta1, beta2, eps, gsign, shrink, l2)
+                    _pack_row(signs, start, m, nonneg)
+                    row_m[i] = sum_m
+                else:
+                    sum_v = _row_without_momentum(
+                        wrow, grow, col_v, acc_v, row_v[i], lr, beta2, eps, gsign, shrink, l2)
                 row_v[i] = sum_v
+                store(w, start, wrow, sr)
         _finish_cols(row_v, col_v, col_acc_v)
         if has_m:
             _finish_cols(row_m, col_m, col_acc_m)
@@ -131,6 +199,12 @@ def _finish_cols(rows, cols, col_acc):
             s += col_acc[b, j]
         cols[j] = s * scale
 
+
+# ±1 for each bit of each byte value, in both work dtypes.
+_SIGN_TABLES = {
+    dt: (((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1) * 2 - 1).astype(dt)
+    for dt in (np.float32, np.float64)
+}
 
 _FLOAT_KERNEL = _make_kernel(_load_float, _store_float)
 _BF16_KERNEL = _make_kernel(_load_bf16, _store_bf16)
@@ -165,8 +239,10 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     rows_per_block, blocks = _block_layout(rows, cols)
     has_m = cfg.beta1 is not None
     dtype = state[ROW_V].dtype
-    col_acc_m = torch.empty((blocks, cols if has_m else 0), dtype=torch.float64)
-    col_acc_v = torch.empty((blocks, cols), dtype=torch.float64)
+    col_acc_m = torch.empty((blocks, cols if has_m else 0), dtype=dtype)
+    col_acc_v = torch.empty((blocks, cols), dtype=dtype)
+    scalar = np.float64 if dtype == torch.float64 else np.float32
+    decoupled = cfg.decoupled_weight_decay
     kernel = _BF16_KERNEL if param.dtype == torch.bfloat16 else _FLOAT_KERNEL
     empty = torch.empty(0, dtype=dtype)
     kernel(
@@ -182,15 +258,16 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
         rows,
         cols,
         rows_per_block,
-        cfg.lr,
-        cfg.beta1 if has_m else 0.0,
+        scalar(cfg.lr),
+        scalar(cfg.beta1 if has_m else 0.0),
         has_m,
-        cfg.beta2,
-        cfg.eps,
-        cfg.weight_decay,
-        cfg.decoupled_weight_decay,
-        cfg.maximize,
+        scalar(cfg.beta2),
+        scalar(cfg.eps),
+        scalar(-1.0 if cfg.maximize else 1.0),
+        scalar(1.0 - cfg.lr * cfg.weight_decay if decoupled else 1.0),
+        scalar(0.0 if decoupled else cfg.weight_decay),
         cfg.stochastic_rounding,
+        _SIGN_TABLES[scalar],
     )
     if weight.data_ptr() != param.data_ptr():
         param.detach().copy_(weight)
