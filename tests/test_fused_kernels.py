@@ -30,6 +30,10 @@ def _pair(backend: str, dtype: torch.dtype, config: dict) -> tuple[list, list, S
     return ps, qs, SMMF(ps, lr=1e-2, backend="torch", **config), SMMF(qs, lr=1e-2, backend=backend, **config)
 
 
+def _scale(x: torch.Tensor) -> float:
+    return x.abs().max().item() if x.numel() else 0.0
+
+
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -50,9 +54,10 @@ def test_fused_matches_torch_path(backend: str, dtype: torch.dtype, config: dict
             assert (q != p).float().mean().item() <= 0.01 if p.numel() else True
         m_ref, v_ref = reconstruct_state(ref, p)
         m_fused, v_fused = reconstruct_state(fused, q)
-        torch.testing.assert_close(v_fused, v_ref, rtol=1e-5, atol=1e-12)
+        # Sums run in another order on each path: compare at 1e-5 of each matrix's scale.
+        torch.testing.assert_close(v_fused, v_ref, rtol=1e-5, atol=1e-5 * _scale(v_ref))
         if m_ref is not None:
-            torch.testing.assert_close(m_fused.abs(), m_ref.abs(), rtol=1e-5, atol=1e-12)
+            torch.testing.assert_close(m_fused.abs(), m_ref.abs(), rtol=1e-5, atol=1e-5 * _scale(m_ref))
             clear = m_ref.abs() > 1e-6 * (m_ref.abs().max() if m_ref.numel() else 0)
             assert torch.equal(m_fused[clear] >= 0, m_ref[clear] >= 0)
     assert state_tensors_bytes(fused) == state_tensors_bytes(ref)

@@ -80,7 +80,7 @@ def _pack_row(signs, start, length, nonneg):
         signs[byte] = value
 
 
-@numba.njit(fastmath=_FASTMATH, inline="always")
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _row_with_momentum(wrow, grow, msign, nonneg, col_m, col_v, acc_m, acc_v, rm, rv,
                        lr, beta1, beta2, eps, gsign, shrink, l2):
     one = beta2 - beta2 + 1  # 1 in the work dtype
@@ -101,35 +101,24 @@ def _row_with_momentum(wrow, grow, msign, nonneg, col_m, col_v, acc_m, acc_v, rm
     return sum_m, sum_v
 
 
-@numba.njit(fastmath=_FASTMATH, inline="always")
-def _row_with_momentum_bytes(wrow, grow, signs, first_byte, sign_table, col_m, col_v, acc_m, acc_v,
-                             rm, rv, lr, beta1, beta2, eps, gsign, shrink, l2):
-    """Same as :func:`_row_with_momentum` for a row that starts and ends on a byte boundary:
-    the signs are read and written a byte (8 elements) at a time."""
-    one = beta2 - beta2 + 1
-    sum_m = beta2 - beta2
-    sum_v = beta2 - beta2
-    for bb in range(wrow.shape[0] >> 3):
-        old = signs[first_byte + bb]
-        new = np.uint8(0)
+@numba.njit(inline="always")
+def _unpack_row_bytes(signs, first_byte, length, sign_table, out):
+    """:func:`_unpack_row` for a byte-aligned row: 8 elements per table lookup."""
+    for bb in range(length >> 3):
+        out[bb * 8 : bb * 8 + 8] = sign_table[signs[first_byte + bb]]
+
+
+@numba.njit(inline="always")
+def _pack_row_bytes(signs, first_byte, length, nonneg):
+    """:func:`_pack_row` for a byte-aligned row: whole bytes, no read-modify-write."""
+    for bb in range(length >> 3):
+        value = np.uint8(0)
         for t in range(8):
-            j = bb * 8 + t
-            wj = wrow[j] * shrink
-            gj = grow[j] * gsign + l2 * wj
-            vj = beta2 * (rv * col_v[j]) + (one - beta2) * (gj * gj)
-            mj = beta1 * (rm * col_m[j] * sign_table[old, t]) + (one - beta1) * gj
-            new |= np.uint8(mj >= 0) << np.uint8(t)
-            a = abs(mj)
-            sum_m += a
-            sum_v += vj
-            acc_m[j] += a
-            acc_v[j] += vj
-            wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
-        signs[first_byte + bb] = new
-    return sum_m, sum_v
+            value |= np.uint8(nonneg[bb * 8 + t]) << np.uint8(t)
+        signs[first_byte + bb] = value
 
 
-@numba.njit(fastmath=_FASTMATH, inline="always")
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, eps, gsign, shrink, l2):
     one = beta2 - beta2 + 1
     sum_v = beta2 - beta2
@@ -144,10 +133,11 @@ def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, eps, gsign, s
 
 
 def _make_kernel(load, store):
-    @numba.njit(parallel=True, nogil=True)
+    @numba.njit(parallel=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
     def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v,
                n, m, rows_per_block, lr, beta1, has_m, beta2, eps, gsign, shrink, l2, sr, sign_table):
         nblocks = col_acc_v.shape[0]
+        aligned = m % 8 == 0  # every row starts and ends on a byte of the packed signs
         for b in numba.prange(nblocks):
             acc_v = col_acc_v[b]
             acc_v[:] = 0
@@ -162,17 +152,18 @@ def _make_kernel(load, store):
                 start = i * m
                 wrow = load(w, start, m, wbuf)
                 grow = load(g, start, m, gbuf)
-                if has_m and m % 8 == 0:
-                    sum_m, sum_v = _row_with_momentum_bytes(
-                        wrow, grow, signs, start >> 3, sign_table, col_m, col_v, acc_m, acc_v,
-                        row_m[i], row_v[i], lr, beta1, beta2, eps, gsign, shrink, l2)
-                    row_m[i] = sum_m
-                elif has_m:
-                    _unpack_row(signs, start, m, msign)
+                if has_m:
+                    if aligned:
+                        _unpack_row_bytes(signs, start >> 3, m, sign_table, msign)
+                    else:
+                        _unpack_row(signs, start, m, msign)
                     sum_m, sum_v = _row_with_momentum(
                         wrow, grow, msign, nonneg, col_m, col_v, acc_m, acc_v, row_m[i], row_v[i],
                         lr, beta1, beta2, eps, gsign, shrink, l2)
-                    _pack_row(signs, start, m, nonneg)
+                    if aligned:
+                        _pack_row_bytes(signs, start >> 3, m, nonneg)
+                    else:
+                        _pack_row(signs, start, m, nonneg)
                     row_m[i] = sum_m
                 else:
                     sum_v = _row_without_momentum(

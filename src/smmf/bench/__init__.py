@@ -1,0 +1,1 @@
+"""Benchmarks, reports and model zoos: everything outside the optimizer core."""

@@ -1,0 +1,36 @@
+"""Parameter shape sets used by the benchmarks."""
+
+from __future__ import annotations
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+def gpt2_like_shapes() -> list[Shape]:
+    """The 52M-parameter GPT-2-like set: embedding, then 6 blocks of attention + MLP + norms."""
+    block: list[Shape] = [(2304, 768), (768, 768), (3072, 768), (768, 3072), (768,), (768,)]
+    return [(12564, 768)] + block * 6
+
+
+def resnet50_shapes(num_labels: int = 1000) -> list[Shape]:
+    """ResNet-50's trainable parameter shapes (transformers' ResNet, built on the meta device)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(
+        depths=[3, 4, 6, 3], hidden_sizes=[256, 512, 1024, 2048], layer_type="bottleneck", num_labels=num_labels
+    )
+    with torch.device("meta"):
+        model = ResNetForImageClassification(config)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def make_params(shapes: list[Shape], seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
+    """Real parameters with gradients set, for timing."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype) * 0.02)
+        p.grad = torch.randn(shape, generator=gen, dtype=dtype) * 1e-3
+        params.append(p)
+    return params
