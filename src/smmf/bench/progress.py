@@ -19,4 +19,5 @@ def progress(items: Iterable[T], desc: str, total: Optional[int] = None, enabled
             print(f"{desc}: {i + 1}{'/' + str(total) if total else ''}", file=sys.stderr, flush=True)
             yield item
         return
-    yield from tqdm(items, desc=desc, total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
+    yield from tqdm(items, desc=desc, total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
+                    mininterval=0.5 if sys.stderr.isatty() else 15.0)

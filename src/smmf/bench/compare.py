@@ -1,0 +1,244 @@
+"""``smmf compare``: train the same model with Adam, Adafactor, SM3, CAME and SMMF, side by side.
+
+Same seed, initialization and batch order for every optimizer. Writes a markdown and CSV table,
+a JSON with every curve, and PNG plots to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..memory import state_bytes
+from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
+from .progress import progress
+from .table import format_table
+from .tasks import TASKS, Task
+
+
+def warmup_cosine(steps: int, warmup: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    return factor
+
+
+def _rss_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak memory of a run: CUDA allocator peak, or the process's RSS high-water mark increase."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+            self.base = (_rss_kib("VmRSS") or 0) * 1024
+
+    def peak_bytes(self) -> Optional[int]:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        hwm = _rss_kib("VmHWM")
+        return None if hwm is None else max(0, hwm * 1024 - self.base)
+
+
+def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval_every: int, seed: int,
+              device: torch.device, show_progress: bool = True) -> dict[str, Any]:
+    spec = optimizer_specs(task.kind)[name]
+    model = task.build_model(seed).to(device)
+    model.train()
+    kwargs = {**spec.kwargs, **overrides}
+    optimizer = spec.build(model.parameters(), **kwargs)
+    scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, min(100, max(1, steps // 10))))
+                 if spec.scheduled else None)
+    batches = task.batches(seed, device)
+    peak = PeakMemory(device)
+    losses: list[float] = []
+    evals: list[dict[str, float]] = []
+    step_ms: list[float] = []
+    train_ms: list[float] = []
+    diverged = False
+    for step in progress(range(1, steps + 1), f"{task.name} {spec.label}", steps, show_progress):
+        batch = next(batches)
+        start = time.perf_counter()
+        loss = task.loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        before_step = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        if scheduler is not None:
+            scheduler.step()
+        step_ms.append((end - before_step) * 1e3)
+        train_ms.append((end - start) * 1e3)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            diverged = True
+            break
+        if step % eval_every == 0 or step == steps:
+            evals.append({"step": step, **task.evaluate(model, device)})
+    metric_values = [e[task.metric] for e in evals]
+    best = (max if task.higher_is_better else min)(metric_values) if metric_values else float("nan")
+    return {
+        "task": task.name,
+        "optimizer": name,
+        "label": spec.label,
+        "kwargs": {k: repr(v) for k, v in kwargs.items()},
+        "metric": task.metric,
+        "final_metric": metric_values[-1] if metric_values else float("nan"),
+        "best_metric": best,
+        "final_eval": evals[-1] if evals else {},
+        "losses": losses,
+        "evals": evals,
+        "state_bytes": state_bytes(optimizer),
+        "peak_bytes": peak.peak_bytes(),
+        "mean_step_ms": statistics.fmean(step_ms[1:] or step_ms),
+        "mean_train_step_ms": statistics.fmean(train_ms[1:] or train_ms),
+        "diverged": diverged,
+    }
+
+
+def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    headers = ["task", "optimizer", "metric", "final", "best", "state KiB", "state / SMMF", "peak MiB",
+               "opt step ms", "train step ms"]
+    smmf_state = {r["task"]: r["state_bytes"] for r in results if r["optimizer"] == "smmf"}
+    rows = []
+    for r in results:
+        ratio = r["state_bytes"] / smmf_state[r["task"]] if smmf_state.get(r["task"]) else None
+        peak = r["peak_bytes"] / 2**20 if r["peak_bytes"] is not None else None
+        rows.append([r["task"], r["label"], r["metric"], r["final_metric"], r["best_metric"], r["state_bytes"] / 1024,
+                     ratio, peak, r["mean_step_ms"], r["mean_train_step_ms"]])
+    return headers, rows
+
+
+def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
+    from .plots import plot_all
+
+    out.mkdir(parents=True, exist_ok=True)
+    headers, rows = summary_rows(results)
+    (out / "results.md").write_text(
+        f"Command: `{meta['command']}`  \nMachine: {meta['machine']}\n\n" + format_table(headers, rows, "markdown")
+    )
+    (out / "results.csv").write_text(format_table(headers, rows, "csv"))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot_all(results, out)
+
+
+def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device) -> None:
+    """One untimed step of each optimizer on a throwaway model, so that no run's time or peak
+    memory carries start-up costs (library initialization, JIT compilation)."""
+    model = task.build_model(seed).to(device)
+    task.loss(model, next(task.batches(seed, device))).backward()
+    task.evaluate(model, device)
+    for name in optimizers:
+        optimizer_specs(task.kind)[name].build(model.parameters(), **optimizer_specs(task.kind)[name].kwargs).step()
+
+
+def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,
+        opt_args: dict[str, dict[str, Any]], quick: bool, show_progress: bool = True) -> list[dict[str, Any]]:
+    results = []
+    for task_name in tasks:
+        task = TASKS[task_name]
+        _warm_up(task, optimizers, seed, device)
+        n_steps = steps or (20 if quick else task.default_steps)
+        eval_every = max(1, n_steps // (4 if quick else 20))
+        for name in optimizers:
+            results.append(train_one(task, name, opt_args.get(name, {}), n_steps, eval_every, seed, device,
+                                     show_progress))
+    return results
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
+    parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
+                        help="comma-separated, of adam, adafactor, sm3, came, smmf, adafactor-torch")
+    parser.add_argument("--steps", type=int, help="training steps per run (default: per task)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/compare", help="output directory")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when available)")
+    parser.add_argument("--opt-args", action="append", default=[], metavar="NAME:key=value,...",
+                        help="override an optimizer's hyperparameters, e.g. smmf:decay_rate=-0.8")
+    parser.add_argument("--quick", action="store_true", help="a tiny run for smoke tests")
+    return parser
+
+
+def main(args: Optional[argparse.Namespace] = None) -> int:
+    args = args or build_parser().parse_args()
+    tasks = [t for t in args.tasks.split(",") if t]
+    optimizers = [o for o in args.optimizers.split(",") if o]
+    known = optimizer_specs("cnn")
+    for t in tasks:
+        if t not in TASKS:
+            raise SystemExit(f"Unknown task: {t!r}. It needs to be one of {list(TASKS)}")
+    for o in optimizers:
+        if o not in known:
+            raise SystemExit(f"Unknown optimizer: {o!r}. It needs to be one of {list(known)}")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    opt_args = parse_opt_args(args.opt_args)
+    started = time.time()
+    results = run(tasks, optimizers, args.steps, args.seed, device, opt_args, args.quick)
+    meta = {
+        "command": "smmf compare " + " ".join(_argv_echo(args)),
+        "machine": _machine(device),
+        "seconds": time.time() - started,
+        "seed": args.seed,
+    }
+    out = Path(args.out)
+    write_outputs(results, meta, out)
+    headers, rows = summary_rows(results)
+    print(format_table(headers, rows))
+    print(f"wrote {out}/results.md, results.csv, results.json, loss.png, metric.png, state_memory.png "
+          f"({meta['seconds']:.0f} s on {meta['machine']})")
+    return 0
+
+
+def _argv_echo(args: argparse.Namespace) -> list[str]:
+    echo = [f"--tasks {args.tasks}", f"--optimizers {args.optimizers}", f"--seed {args.seed}", f"--out {args.out}"]
+    if args.steps:
+        echo.append(f"--steps {args.steps}")
+    if args.quick:
+        echo.append("--quick")
+    echo += [f"--opt-args {a}" for a in args.opt_args]
+    return echo
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

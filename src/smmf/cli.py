@@ -1,0 +1,24 @@
+"""``smmf`` command line: ``compare`` (the main job), ``memory`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="smmf", description="SMMF optimizer: comparisons, memory tables, benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from .bench import compare, paper_memory, step_time
+
+    compare.build_parser(sub.add_parser("compare", help="train with Adam, Adafactor, SM3, CAME and SMMF side by side"))
+    paper_memory.build_parser(sub.add_parser("memory", help="the paper's optimizer-memory tables, reproduced"))
+    step_time.build_parser(sub.add_parser("bench", help="step time and peak memory against Adam"))
+    args = parser.parse_args(argv)
+    runner = {"compare": compare.main, "memory": paper_memory.main, "bench": step_time.main}[args.command]
+    return runner(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
