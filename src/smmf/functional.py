@@ -8,12 +8,12 @@ the *uncompressed* momenta of this step drive the weight update.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from .matrix import nnmf, pack_signs, unpack_signs
+from .matrix import nnmf_from_sums, pack_signs, unpack_signs
 from .state import (
     COL_M,
     COL_V,
@@ -27,7 +27,10 @@ from .state import (
     real_view,
 )
 
-__all__ = ["StepConfig", "torch_step_", "write_back_"]
+__all__ = ["StepConfig", "Band", "torch_step_", "write_back_"]
+
+# Sums partial row/column sums across the ranks that share a matrix (identity on one device).
+Reducer = Callable[[list[Tensor]], list[Tensor]]
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,64 @@ class StepConfig:
     stochastic_rounding: bool
 
 
-def torch_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> None:
-    """Update ``param`` and its ``state`` in place (``state['step']`` already advanced)."""
+@dataclass(frozen=True)
+class Band:
+    """The part of the n×m matrix that a tensor holds: rows ``[row0, row1)``, of whose row-major
+    flattening the tensor owns ``numel`` elements from ``first`` on (a shard's first and last rows
+    may be partial). A whole tensor is ``Band(n, m, 0, n, 0, n·m)``."""
+
+    rows: int
+    cols: int
+    row0: int
+    row1: int
+    first: int
+    numel: int
+
+    @classmethod
+    def whole(cls, rows: int, cols: int) -> "Band":
+        return cls(rows, cols, 0, rows, 0, rows * cols)
+
+    @classmethod
+    def of_range(cls, rows: int, cols: int, start: int, numel: int) -> "Band":
+        row0 = start // cols if cols else 0
+        row1 = -(-(start + numel) // cols) if numel else row0
+        return cls(rows, cols, row0, row1, start - row0 * cols, numel)
+
+    @property
+    def padded(self) -> bool:
+        return self.first != 0 or self.numel != (self.row1 - self.row0) * self.cols
+
+    def to_matrix(self, flat: Tensor) -> Tensor:
+        if not self.padded:
+            return flat.view(self.row1 - self.row0, self.cols)
+        out = flat.new_zeros(self.row1 - self.row0, self.cols)
+        out.view(-1)[self.first : self.first + self.numel] = flat
+        return out
+
+    def owned(self, matrix: Tensor) -> Tensor:
+        """The owned elements of a band matrix, flat."""
+        return matrix.reshape(-1)[self.first : self.first + self.numel]
+
+    def zero_padding_(self, matrix: Tensor) -> None:
+        if self.padded:
+            flat = matrix.view(-1)
+            flat[: self.first] = 0
+            flat[self.first + self.numel :] = 0
+
+
+def torch_step_(
+    param: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    cfg: StepConfig,
+    band: Optional[Band] = None,
+    reduce: Optional[Reducer] = None,
+) -> None:
+    """Update ``param`` and its ``state`` in place (``state['step']`` already advanced).
+
+    ``band`` and ``reduce`` serve sharded parameters (see :mod:`smmf.sharding`): ``param`` is then
+    this rank's shard of a larger matrix, and ``reduce`` sums partial row/column sums over ranks.
+    """
     work_dtype = factor_dtype(param)
     weight = real_view(param)
     # Logical row-major order: channels_last and other strided params are copied once.
@@ -61,7 +120,8 @@ def torch_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     if EXP_AVG_SQ in state:
         update = _dense_update(g, state, cfg)
     else:
-        update = _factored_update(g.view(matrix_shape(param)), state, cfg)
+        band = band or Band.whole(*matrix_shape(param))
+        update = band.owned(_factored_update(band.to_matrix(g.view(-1)), state, cfg, band, reduce))
     work.add_(update.view_as(work), alpha=-cfg.lr)
     if work is not weight:
         write_back_(weight, work, cfg.stochastic_rounding)
@@ -78,28 +138,43 @@ def _dense_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
     return exp_avg / denom
 
 
-def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
-    # Second moment: decompress, update, compress; keep this step's V for the update.
-    v = torch.outer(state[ROW_V], state[COL_V])
+def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Optional[Reducer]) -> Tensor:
+    rows = slice(band.row0, band.row1)
+    # Second moment: decompress, update; this step's V drives the update.
+    v = torch.outer(state[ROW_V][rows], state[COL_V])
     v.mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
-    _store_factors(state, ROW_V, COL_V, v)
+    band.zero_padding_(v)
+    moments = [(ROW_V, COL_V, v)]
+    if cfg.beta1 is not None:
+        # First moment: |M| from its factors, the sign from the 1-bit matrix.
+        magnitude = torch.outer(state[ROW_M][rows], state[COL_M])
+        nonneg = band.to_matrix(unpack_signs(state[SIGN_M], band.numel))
+        m = torch.where(nonneg, magnitude, -magnitude)
+        m.mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
+        band.zero_padding_(m)
+        packed = pack_signs(band.owned(m) >= 0)
+        state[SIGN_M][: packed.numel()].copy_(packed)
+        moments.append((ROW_M, COL_M, m.abs()))
+    _compress(state, band, moments, reduce)
     denom = v.sqrt_().add_(cfg.eps)
-    if cfg.beta1 is None:
-        return g / denom
-    # First moment: |M| from its factors, the sign from the 1-bit matrix.
-    magnitude = torch.outer(state[ROW_M], state[COL_M])
-    nonnegative = unpack_signs(state[SIGN_M], g.numel()).view(g.shape)
-    m = torch.where(nonnegative, magnitude, -magnitude)
-    m.mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
-    state[SIGN_M].copy_(pack_signs(m >= 0))
-    _store_factors(state, ROW_M, COL_M, m.abs())
-    return m.div_(denom)
+    return g.div(denom) if cfg.beta1 is None else m.div_(denom)
 
 
-def _store_factors(state: dict[str, Any], row_key: str, col_key: str, matrix: Tensor) -> None:
-    rows, cols = nnmf(matrix)
-    state[row_key].copy_(rows)
-    state[col_key].copy_(cols)
+def _compress(state: dict[str, Any], band: Band, moments: list[tuple[str, str, Tensor]], reduce: Optional[Reducer]) -> None:
+    """Rank-1 NNMF of each moment: row sums and column sums / total (summed over ranks first)."""
+    sums: list[Tensor] = []
+    for _, _, matrix in moments:
+        rows = matrix.sum(dim=1)
+        if band.row1 - band.row0 != band.rows:
+            rows = torch.zeros(band.rows, dtype=matrix.dtype, device=matrix.device).index_copy_(
+                0, torch.arange(band.row0, band.row1, device=matrix.device), rows)
+        sums += [rows, matrix.sum(dim=0)]
+    if reduce is not None:
+        sums = reduce(sums)
+    for (row_key, col_key, _), rows, cols in zip(moments, sums[::2], sums[1::2]):
+        rows, cols = nnmf_from_sums(rows, cols)
+        state[row_key].copy_(rows)
+        state[col_key].copy_(cols)
 
 
 def write_back_(dst: Tensor, src: Tensor, stochastic_rounding: bool) -> None:

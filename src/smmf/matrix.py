@@ -15,6 +15,7 @@ from torch import Tensor
 __all__ = [
     "square_matricize_shape",
     "nnmf",
+    "nnmf_from_sums",
     "pack_signs",
     "unpack_signs",
     "packed_sign_bytes",
@@ -47,11 +48,13 @@ def nnmf(matrix: Tensor) -> tuple[Tensor, Tensor]:
     ``r`` holds the row sums and ``c`` the column sums divided by the total, so that
     ``r cᵀ = rowsum · colsum / total``. An all-zero matrix gives all-zero factors, never NaN.
     """
-    rows = matrix.sum(dim=1)
-    cols = matrix.sum(dim=0)
+    return nnmf_from_sums(matrix.sum(dim=1), matrix.sum(dim=0))
+
+
+def nnmf_from_sums(rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`nnmf` from the row and column sums (which shards can add up before factorizing)."""
     total = rows.sum()
-    cols.div_(torch.where(total > 0, total, torch.ones_like(total)))
-    return rows, cols
+    return rows, cols / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def packed_sign_bytes(numel: int) -> int:

@@ -51,6 +51,22 @@ def _validate_group(group: dict[str, Any]) -> None:
     check_backend(group["backend"])
 
 
+def _reject_flattened(param: Tensor) -> None:
+    """SMMF's factorization depends on each tensor's true shape: a flattened buffer would be
+    factorized as one meaningless matrix. FSDP1 marks the params it flattens (with or without
+    ``use_orig_params``); DeepSpeed ZeRO-3 marks its partitioned params."""
+    if getattr(param, "_fsdp_flattened", False) or type(param).__name__ == "FlatParameter":
+        raise RuntimeError(
+            "SMMF got a parameter flattened by FSDP1 (FullyShardedDataParallel): its factorization needs "
+            "each parameter's own shape. Use FSDP2 (torch.distributed.fsdp.fully_shard), which SMMF supports."
+        )
+    if hasattr(param, "ds_id") or hasattr(param, "ds_numel"):
+        raise RuntimeError(
+            "SMMF got a DeepSpeed ZeRO partitioned (flattened) parameter: its factorization needs each "
+            "parameter's own shape. Use DDP or FSDP2 (torch.distributed.fsdp.fully_shard) instead."
+        )
+
+
 class SMMF(Optimizer):
     r"""Square-Matricized Momentum Factorization (Park & Lee, AAAI-25).
 
@@ -149,6 +165,8 @@ class SMMF(Optimizer):
         super().add_param_group(param_group)
         try:
             _validate_group(self.param_groups[-1])
+            for param in self.param_groups[-1]["params"]:
+                _reject_flattened(param)
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise

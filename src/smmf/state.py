@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .matrix import packed_sign_bytes, square_matricize_shape
+from .sharding import as_state, shard_info
 
 # Keys of the factored state (a parameter seen as an n×m matrix).
 ROW_M, COL_M, SIGN_M = "row_m", "col_m", "sign_m"
@@ -58,7 +59,9 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     if has_momentum:
         layout[ROW_M] = TensorSpec((rows,), dtype)
         layout[COL_M] = TensorSpec((cols,), dtype)
-        layout[SIGN_M] = TensorSpec((packed_sign_bytes(rows * cols),), torch.uint8)
+        info = shard_info(param)
+        sign_bytes = packed_sign_bytes(rows * cols) if info is None else info.sign_bytes * (info.world if info.sharded else 1)
+        layout[SIGN_M] = TensorSpec((sign_bytes,), torch.uint8)
     layout[ROW_V] = TensorSpec((rows,), dtype)
     layout[COL_V] = TensorSpec((cols,), dtype)
     return layout
@@ -66,8 +69,16 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
 
 def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
     state: dict[str, Any] = {STEP: 0}
+    info = shard_info(param)
     for key, spec in state_layout(param, group).items():
-        state[key] = torch.zeros(spec.shape, dtype=spec.dtype, device=param.device)
+        if info is None:
+            state[key] = torch.zeros(spec.shape, dtype=spec.dtype, device=param.device)
+        elif key in (EXP_AVG, EXP_AVG_SQ):  # dense: elementwise, sharded like the param
+            state[key] = torch.zeros_like(param, dtype=spec.dtype)
+        else:
+            size = info.sign_bytes if key == SIGN_M else spec.shape[0]
+            local = torch.zeros(size, dtype=spec.dtype, device=param.to_local().device)
+            state[key] = as_state(local, info, sharded=key == SIGN_M)
     return state
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..functional import StepConfig, torch_step_
+from ..sharding import is_dtensor, shard_info
 from ..state import EXP_AVG_SQ
 
 __all__ = ["BACKENDS", "available_backends", "check_backend", "step_kernel"]
@@ -57,8 +58,13 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     """The kernel that updates ``param`` under ``backend``.
 
     Dense (``vector_reshape=False``) and complex parameters always take the torch path: they are
-    small vectors or rare. A named backend that cannot take ``param`` raises ``RuntimeError``.
+    small vectors or rare. DTensor (FSDP2) parameters take the sharded torch path. A named backend that cannot take ``param`` raises ``RuntimeError``.
     """
+    if is_dtensor(param):
+        from .sharded import sharded_step_
+
+        shard_info(param)  # unsupported placements fail here, before any update
+        return sharded_step_
     if backend == "torch" or EXP_AVG_SQ in state or param.is_complex():
         return torch_step_
     if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba"):

@@ -1,0 +1,148 @@
+"""Worker functions for the multi-process tests (2 ranks, gloo, loopback). Each worker writes its
+results with torch.save so that the parent test can compare them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smmf import SMMF
+
+STEPS = 6
+GLOBAL_BATCH = 8
+
+
+def init(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+class Net(nn.Module):
+    """Shapes chosen so that 2-way dim-0 shards split rows of the square-matricized matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.conv = nn.Conv2d(3, 6, 3)
+        self.fc1 = nn.Linear(6 * 2 * 2 + 6, 7)
+        self.norm = nn.LayerNorm(7)
+        self.fc2 = nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.conv(x).flatten(1), self.embed(tokens).mean(1)], dim=1)
+        return self.fc2(self.norm(torch.tanh(self.fc1(h))))
+
+
+def make_net() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(GLOBAL_BATCH, 3, 4, 4, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, 11, (GLOBAL_BATCH, 3), generator=gen)
+    y = torch.randn(GLOBAL_BATCH, 5, generator=gen, dtype=torch.float64)
+    return x, tokens, y
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1) -> None:
+    for step in steps:
+        x, tokens, y = (t.chunk(world)[rank] for t in batch(step))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x, tokens), y).backward()
+        opt.step()
+
+
+def optimizer(params) -> SMMF:
+    return SMMF(params, lr=1e-2, weight_decay=0.1, decay_rate=-0.8)
+
+
+def single_process_params() -> list[torch.Tensor]:
+    model = make_net()
+    train(model, optimizer(model.parameters()), range(STEPS))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    init(rank, world, port)
+    model = DistributedDataParallel(make_net())
+    train(model, optimizer(model.parameters()), range(STEPS), rank, world)
+    torch.save([p.detach() for p in model.module.parameters()], Path(out) / f"ddp{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _sharded_net(world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_net()
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full_params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    init(rank, world, port)
+    # Uninterrupted run.
+    model = _sharded_net(world)
+    opt = optimizer(model.parameters())
+    train(model, opt, range(STEPS), rank, world)
+    straight = _full_params(model)
+    # Interrupted at step 3: save through torch.distributed.checkpoint, load into fresh objects, continue.
+    model = _sharded_net(world)
+    opt = optimizer(model.parameters())
+    train(model, opt, range(3), rank, world)
+    ckpt = Path(out) / "dcp"
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    model = _sharded_net(world)
+    opt = optimizer(model.parameters())
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    train(model, opt, range(3, STEPS), rank, world)
+    resumed = _full_params(model)
+    local_sign_bytes = [opt.state[p]["sign_m"].to_local().numel() for p in model.parameters() if "sign_m" in opt.state[p]]
+    if rank == 0:
+        torch.save({"straight": straight, "resumed": resumed, "sign_bytes": local_sign_bytes}, Path(out) / "fsdp2.pt")
+    dist.destroy_process_group()
+
+
+def fsdp1_flat_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    init(rank, world, port)
+    messages = []
+    for use_orig_params in (False, True):
+        model = FullyShardedDataParallel(make_net(), use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+        try:
+            optimizer(model.parameters())
+            messages.append(None)
+        except RuntimeError as err:
+            messages.append(str(err))
+    if rank == 0:
+        torch.save({"messages": messages}, Path(out) / "fsdp1.pt")
+    dist.destroy_process_group()
