@@ -1,0 +1,1 @@
+"""Integrations with training frameworks, kept outside the optimizer core."""
