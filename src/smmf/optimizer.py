@@ -108,8 +108,8 @@ class SMMF(Optimizer):
         maximize: maximize the objective instead of minimizing it (default: False).
         stochastic_rounding: round bf16 parameters stochastically when writing the update
             back (default: False).
-        backend: ``"auto"`` (fused kernel when one covers the parameter, else torch),
-            ``"torch"``, ``"numba"`` or ``"triton"`` (default: ``"auto"``).
+        backend: ``"auto"`` (the numba kernel for CPU params when installed, else torch),
+            ``"torch"``, ``"numba"`` or ``"triton"`` (CUDA, opt-in) (default: ``"auto"``).
 
     .. note::
         The sign matrix is stored 8 signs per byte (uint8), as the paper counts it; the

@@ -71,7 +71,8 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
         from .numba_cpu import numba_step_
 
         return numba_step_
-    if backend in ("auto", "triton") and _triton_covers(param) and _has_module("triton"):
+    # Opt-in until verified on a GPU: "auto" keeps CUDA params on the torch path for now.
+    if backend == "triton" and _triton_covers(param) and _has_module("triton"):
         from .triton_gpu import triton_step_
 
         return triton_step_
