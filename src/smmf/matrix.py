@@ -6,6 +6,7 @@ kernels, the memory predictor and the tests all share one definition.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -26,6 +27,7 @@ __all__ = [
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
+@functools.lru_cache(maxsize=65536)  # called every step; a prime N would cost sqrt(N) each time
 def square_matricize_shape(numel: int) -> tuple[int, int]:
     """Shape ``(n, m)`` with ``n * m == numel``, ``n >= m`` and ``n + m`` minimal (Alg. 2).
 

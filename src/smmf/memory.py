@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .sharding import local as local_shard
 from .state import state_layout
 
 __all__ = ["OPTIMIZERS", "state_bytes", "predict_state_tensors", "predict_state_bytes", "report", "MemoryReport"]
@@ -36,17 +37,13 @@ def _round_up(nbytes: int, block: int) -> int:
     return -(-nbytes // block) * block if block > 1 else nbytes
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # DTensor: this rank's shard
-
-
 def state_bytes(optimizer: torch.optim.Optimizer, allocator_block: int = 1) -> int:
     """Bytes held by ``optimizer``'s state tensors (this rank's shards for DTensors)."""
     total = 0
     for state in optimizer.state.values():
         for key, value in state.items():
             if key != "step" and isinstance(value, Tensor):
-                local = _local(value)
+                local = local_shard(value)  # DTensor: this rank's shard
                 total += _round_up(local.numel() * local.element_size(), allocator_block)
     return total
 

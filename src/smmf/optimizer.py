@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .functional import StepConfig
-from .kernels import BACKENDS, check_backend, step_kernel
+from .kernels import check_backend, step_kernel
 from .matrix import beta1_at, beta2_at
 from .state import STEP, check_loaded_state, init_state, state_layout
 

@@ -41,7 +41,8 @@ def shard_info(param: Tensor) -> Optional[ShardInfo]:
         return None
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh, placements = param.device_mesh, tuple(param.placements)
+    dtensor: Any = param  # DTensor attributes are not on torch.Tensor's type
+    mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
     if mesh.ndim != 1 or not (placements == (Shard(0),) or placements == (Replicate(),)):
         raise RuntimeError(
             f"SMMF supports DTensor parameters on a 1-D mesh placed Shard(0) or Replicate(), got {placements} "
@@ -65,10 +66,11 @@ def as_state(local: Tensor, info: ShardInfo, sharded: bool) -> Tensor:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if sharded and info.sharded:
-        shape = (local.shape[0] * info.world,)
+        shape = torch.Size([local.shape[0] * info.world])
         return DTensor.from_local(local, info.mesh, [Shard(0)], run_check=False, shape=shape, stride=(1,))
     return DTensor.from_local(local, info.mesh, [Replicate()], run_check=False)
 
 
 def local(t: Tensor) -> Tensor:
-    return t.to_local() if is_dtensor(t) else t
+    """This rank's tensor of a DTensor; a plain tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .matrix import packed_sign_bytes, square_matricize_shape
-from .sharding import as_state, shard_info
+from .sharding import as_state, local, shard_info
 
 # Keys of the factored state (a parameter seen as an n×m matrix).
 ROW_M, COL_M, SIGN_M = "row_m", "col_m", "sign_m"
@@ -77,8 +77,8 @@ def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
             state[key] = torch.zeros_like(param, dtype=spec.dtype)
         else:
             size = info.sign_bytes if key == SIGN_M else spec.shape[0]
-            local = torch.zeros(size, dtype=spec.dtype, device=param.to_local().device)
-            state[key] = as_state(local, info, sharded=key == SIGN_M)
+            piece = torch.zeros(size, dtype=spec.dtype, device=local(param).device)
+            state[key] = as_state(piece, info, sharded=key == SIGN_M)
     return state
 
 

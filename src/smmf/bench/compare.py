@@ -20,6 +20,7 @@ import torch
 
 from ..memory import state_bytes
 from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
+from .procfs import reset_peak_rss, status_kib
 from .progress import progress
 from .table import format_table
 from .tasks import TASKS, Task
@@ -34,17 +35,6 @@ def warmup_cosine(steps: int, warmup: int):
     return factor
 
 
-def _rss_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 class PeakMemory:
     """Peak memory of a run: CUDA allocator peak, or the process's RSS high-water mark increase."""
 
@@ -54,17 +44,13 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
             self.base = torch.cuda.memory_allocated(device)
         else:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                pass
-            self.base = (_rss_kib("VmRSS") or 0) * 1024
+            reset_peak_rss()
+            self.base = (status_kib("VmRSS") or 0) * 1024
 
     def peak_bytes(self) -> Optional[int]:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self.base
-        hwm = _rss_kib("VmHWM")
+        hwm = status_kib("VmHWM")
         return None if hwm is None else max(0, hwm * 1024 - self.base)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .. import SMMF
 from ..kernels import available_backends
+from .procfs import reset_peak_rss, status_kib
 from .progress import progress
 from .shapes import gpt2_like_shapes, make_params, resnet50_shapes
 from .table import format_table
@@ -63,25 +64,17 @@ def median_step_seconds(factory: OptimFactory, params: list[torch.nn.Parameter],
     return statistics.median(times)
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _peak_child(name: str) -> None:
     """In a fresh process: extra RSS high-water mark of one step over the resident size before it."""
     params = make_params([PEAK_SHAPE])
     opt = optim_map("cpu")[name](params)
     opt.step()  # state and JIT first: the figure is the step's temporaries
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS")
+    if not reset_peak_rss():
+        raise RuntimeError("peak memory needs Linux /proc/self/clear_refs")
+    before = status_kib("VmRSS") or 0
     opt.step()
-    extra = (_status_kib("VmHWM") - before) * 1024
+    extra = ((status_kib("VmHWM") or 0) - before) * 1024
     print(json.dumps({"extra_bytes": extra, "param_bytes": params[0].numel() * 4}))
 
 

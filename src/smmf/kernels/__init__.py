@@ -6,6 +6,7 @@ torch path wherever a kernel is missing or does not cover a parameter.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ BACKENDS = ("auto", "torch", "numba", "triton")
 StepKernel = Callable[[Tensor, Tensor, dict[str, Any], StepConfig], None]
 
 
+@functools.lru_cache(maxsize=None)
 def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 

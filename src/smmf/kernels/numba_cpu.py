@@ -132,8 +132,8 @@ def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, eps, gsign, s
     return sum_v
 
 
-def _make_kernel(load, store):
-    @numba.njit(parallel=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+def _make_kernel(load, store, parallel):
+    @numba.njit(parallel=parallel, nogil=True, error_model="numpy", fastmath=_FASTMATH)
     def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v,
                n, m, rows_per_block, lr, beta1, has_m, beta2, eps, gsign, shrink, l2, sr, sign_table):
         nblocks = col_acc_v.shape[0]
@@ -197,14 +197,20 @@ _SIGN_TABLES = {
     for dt in (np.float32, np.float64)
 }
 
-_FLOAT_KERNEL = _make_kernel(_load_float, _store_float)
-_BF16_KERNEL = _make_kernel(_load_bf16, _store_bf16)
+# Small tensors run on one thread: waking the thread pool costs more than their whole step.
+_PARALLEL_MIN_NUMEL = 1 << 16
+_KERNELS = {
+    (bf16, parallel): _make_kernel(_load_bf16 if bf16 else _load_float, _store_bf16 if bf16 else _store_float, parallel)
+    for bf16 in (False, True)
+    for parallel in (False, True)
+}
 
 
 def _block_layout(rows: int, cols: int) -> tuple[int, int]:
     """Rows per block (a multiple that keeps blocks byte-aligned in the sign bits) and blocks."""
     align = 8 // math.gcd(cols, 8)
-    target_blocks = max(1, 4 * numba.get_num_threads())
+    parallel = rows * cols >= _PARALLEL_MIN_NUMEL
+    target_blocks = max(1, 4 * numba.get_num_threads()) if parallel else 1
     rows_per_block = max(align, -(-rows // target_blocks))
     rows_per_block = -(-rows_per_block // align) * align
     return rows_per_block, -(-rows // rows_per_block)
@@ -234,7 +240,7 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     col_acc_v = torch.empty((blocks, cols), dtype=dtype)
     scalar = np.float64 if dtype == torch.float64 else np.float32
     decoupled = cfg.decoupled_weight_decay
-    kernel = _BF16_KERNEL if param.dtype == torch.bfloat16 else _FLOAT_KERNEL
+    kernel = _KERNELS[param.dtype == torch.bfloat16, rows * cols >= _PARALLEL_MIN_NUMEL]
     empty = torch.empty(0, dtype=dtype)
     kernel(
         _as_numpy(weight),
