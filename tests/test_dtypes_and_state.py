@@ -97,3 +97,25 @@ def test_long_run_stays_finite() -> None:
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.isfinite(v).all() for st in opt.state.values() for k, v in st.items() if k != "step")
+
+
+def test_rejected_param_group_is_not_added() -> None:
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))
+    opt = SMMF([p])
+    with pytest.raises(ValueError, match="Invalid decay_rate: 3"):
+        opt.add_param_group({"params": [q], "decay_rate": 3})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [q], "decay_rate": -0.8})
+    assert opt.param_groups[1]["decay_rate"] == -0.8 and opt.param_groups[1]["lr"] == 1e-3
+
+
+@pytest.mark.skipif("numba" not in __import__("smmf.kernels", fromlist=["x"]).available_backends(), reason="no numba")
+def test_named_backend_that_cannot_take_a_param_fails_before_any_update() -> None:
+    ok = torch.nn.Parameter(torch.randn(4, 4))
+    half = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float16))
+    opt = SMMF([ok, half], backend="numba")
+    ok.grad, half.grad = torch.randn(4, 4), torch.randn(4, 4, dtype=torch.float16)
+    before = ok.detach().clone()
+    with pytest.raises(RuntimeError, match="backend 'numba' cannot update a torch.float16 parameter"):
+        opt.step()
+    assert torch.equal(ok, before) and len(opt.state) == 0

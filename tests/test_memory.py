@@ -99,3 +99,16 @@ def test_memory_cli_reproduces_a_paper_row() -> None:
     assert abs(imagenet["adam"]["diff_pct"]) < 1
     assert abs(imagenet["smmf"]["ours_exact"] - 3.54) < 0.01  # MiB
     assert abs(imagenet["smmf"]["ours_allocated"] - 3.77) < 0.01
+
+
+def test_memory_cli_reports_any_transformers_config(tmp_path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=2).save_pretrained(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "smmf.cli", "memory", "--config", str(tmp_path / "config.json"), "--format", "json"],
+        capture_output=True, text=True, check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["exact"]["adam"] == 8 * result["params"]
+    assert result["exact"]["smmf"] < result["exact"]["adam"] / 20
