@@ -119,3 +119,4 @@ def test_named_backend_that_cannot_take_a_param_fails_before_any_update() -> Non
     with pytest.raises(RuntimeError, match="backend 'numba' cannot update a torch.float16 parameter"):
         opt.step()
     assert torch.equal(ok, before) and len(opt.state) == 0
+

@@ -107,7 +107,7 @@ class SMMF(Optimizer):
             use a coefficient ~1000× smaller) (default: ``"adamw"``).
         maximize: maximize the objective instead of minimizing it (default: False).
         stochastic_rounding: round bf16 parameters stochastically when writing the update
-            back (default: False).
+            back; the numba kernel draws from numba's generator, not torch's (default: False).
         backend: ``"auto"`` (the numba kernel for CPU params when installed, else torch),
             ``"torch"``, ``"numba"`` or ``"triton"`` (CUDA, opt-in) (default: ``"auto"``).
 

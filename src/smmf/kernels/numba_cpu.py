@@ -46,7 +46,9 @@ def _store_bf16(dst, start, row, sr):
     bits = row.view(np.uint32)
     for j in range(bits.shape[0]):
         u = bits[j]
-        if sr:
+        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            u = u | np.uint32(0x00400000)  # NaN stays NaN: the quiet bit survives truncation
+        elif sr:
             u = u + np.uint32(np.random.randint(0, 65536))  # stochastic rounding
         else:
             u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))  # nearest even
