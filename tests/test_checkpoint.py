@@ -98,6 +98,10 @@ def _bad_option(sd: dict) -> None:
     sd["param_groups"][0]["decay_rate"] = 2.0
 
 
+def _unknown_param(sd: dict) -> None:
+    sd["state"][999] = dict(sd["state"][0])
+
+
 def _mismatched_option(sd: dict) -> None:
     sd["param_groups"][0]["beta"] = None  # the saved state has a first moment
 
@@ -110,6 +114,7 @@ def _mismatched_option(sd: dict) -> None:
         (_extra_group, r"has 2 parameter groups, the optimizer has 1"),
         (_bad_option, r"Invalid decay_rate: 2.0"),
         (_mismatched_option, r"state keys .* do not fit"),
+        (_unknown_param, r"state for parameters \[999\] that no group lists"),
     ],
 )
 def test_bad_checkpoint_is_rejected_and_changes_nothing(corrupt, match: str) -> None:

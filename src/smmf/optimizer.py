@@ -241,6 +241,9 @@ class SMMF(Optimizer):
                 param_of[pid] = (param, options)
                 if pid in saved_state:
                     check_loaded_state(param, options, saved_state[pid], f"parameter {pid}")
+        unknown = sorted(set(saved_state) - set(param_of), key=str)
+        if unknown:
+            raise ValueError(f"loaded state dict has state for parameters {unknown} that no group lists")
         super().load_state_dict(state_dict)
         # torch casts every floating (and uint8) state tensor to the param dtype: undo that
         # from the saved tensors, which still have their own dtypes.
