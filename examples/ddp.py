@@ -20,4 +20,5 @@ for step in range(20):
     optimizer.step()
 if rank == 0:
     print(f"rank 0 after 20 steps: loss {loss.item():.4f}")
+dist.barrier()  # leave together: tearing gloo down under a peer can abort at exit
 dist.destroy_process_group()

@@ -16,6 +16,12 @@ STEPS = 6
 GLOBAL_BATCH = 8
 
 
+def finish() -> None:
+    """Leave together: a rank that tears gloo down while its peer still talks can abort at exit."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def init(rank: int, world: int, port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -77,7 +83,7 @@ def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     model = DistributedDataParallel(make_net())
     train(model, optimizer(model.parameters()), range(STEPS), rank, world)
     torch.save([p.detach() for p in model.module.parameters()], Path(out) / f"ddp{rank}.pt")
-    dist.destroy_process_group()
+    finish()
 
 
 def _sharded_net(world: int) -> nn.Module:
@@ -128,7 +134,7 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:
     local_sign_bytes = [opt.state[p]["sign_m"].to_local().numel() for p in model.parameters() if "sign_m" in opt.state[p]]
     if rank == 0:
         torch.save({"straight": straight, "resumed": resumed, "sign_bytes": local_sign_bytes}, Path(out) / "fsdp2.pt")
-    dist.destroy_process_group()
+    finish()
 
 
 def fsdp1_flat_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -145,4 +151,4 @@ def fsdp1_flat_worker(rank: int, world: int, port: int, out: str) -> None:
             messages.append(str(err))
     if rank == 0:
         torch.save({"messages": messages}, Path(out) / "fsdp1.pt")
-    dist.destroy_process_group()
+    finish()
