@@ -164,10 +164,8 @@ def _compress(state: dict[str, Any], band: Band, moments: list[tuple[str, str, T
     """Rank-1 NNMF of each moment: row sums and column sums / total (summed over ranks first)."""
     sums: list[Tensor] = []
     for _, _, matrix in moments:
-        rows = matrix.sum(dim=1)
-        if band.row1 - band.row0 != band.rows:
-            rows = torch.zeros(band.rows, dtype=matrix.dtype, device=matrix.device).index_copy_(
-                0, torch.arange(band.row0, band.row1, device=matrix.device), rows)
+        rows = matrix.new_zeros(band.rows)
+        rows[band.row0 : band.row1] = matrix.sum(dim=1)  # other ranks' rows stay 0 until reduced
         sums += [rows, matrix.sum(dim=0)]
     if reduce is not None:
         sums = reduce(sums)

@@ -146,8 +146,9 @@ def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device)
     model = task.build_model(seed).to(device)
     task.loss(model, next(task.batches(seed, device))).backward()
     task.evaluate(model, device)
+    specs = optimizer_specs(task.kind)
     for name in optimizers:
-        optimizer_specs(task.kind)[name].build(model.parameters(), **optimizer_specs(task.kind)[name].kwargs).step()
+        specs[name].build(model.parameters(), **specs[name].kwargs).step()
 
 
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,

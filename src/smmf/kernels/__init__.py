@@ -60,7 +60,8 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     """The kernel that updates ``param`` under ``backend``.
 
     Dense (``vector_reshape=False``) and complex parameters always take the torch path: they are
-    small vectors or rare. DTensor (FSDP2) parameters take the sharded torch path. A named backend that cannot take ``param`` raises ``RuntimeError``.
+    small vectors or rare. DTensor (FSDP2) parameters take the sharded torch path. A named
+    backend that cannot take ``param`` raises ``RuntimeError``.
     """
     if is_dtensor(param):
         from .sharded import sharded_step_
