@@ -12,7 +12,15 @@ from smmf.matrix import unpack_signs
 # 0-d, 1-D, 2-D, 4-D conv, prime N, empty, odd 3-D, a non-multiple-of-8 matrix.
 ZOO_SHAPES: list[tuple[int, ...]] = [(), (7,), (5, 6), (4, 3, 3, 3), (13,), (0,), (2, 0, 3), (3, 5, 7), (31, 9)]
 
+# Each fused kernel runs on its own device's tensors: numba on CPU, triton on CUDA.
+BACKEND_DEVICE = {"torch": "cpu", "numba": "cpu", "triton": "cuda"}
 FUSED_BACKENDS = [b for b in available_backends() if b not in ("auto", "torch")]
+CPU_FUSED_BACKENDS = [b for b in FUSED_BACKENDS if BACKEND_DEVICE[b] == "cpu"]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def device_of(backend: str) -> str:
+    return BACKEND_DEVICE[backend]
 
 
 def make_zoo(dtype: torch.dtype = torch.float64, seed: int = 0) -> list[torch.nn.Parameter]:

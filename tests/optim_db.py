@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from helpers import FUSED_BACKENDS
+from helpers import FUSED_BACKENDS, HAS_CUDA, device_of
 from smmf import SMMF
 
 
@@ -30,9 +30,10 @@ class OptimizerInfo:
     error_inputs: list[ErrorInput] = field(default_factory=list)
     supports_complex: bool = True
     atomic_step: bool = True  # a rejected step leaves the state untouched (Adam builds state first)
+    device: str = "cpu"  # the device of the params each generic test hands it
 
     def __str__(self) -> str:
-        return self.name
+        return f"{self.name}-{self.device}"
 
 
 SMMF_INPUTS: list[dict[str, Any]] = [
@@ -59,14 +60,23 @@ SMMF_ERRORS: list[ErrorInput] = [
     ErrorInput({"backend": "cuda"}, ValueError, r"Unknown backend: 'cuda'. It needs to be one of"),
 ]
 
+DEVICES = ["cpu", "cuda"] if HAS_CUDA else ["cpu"]
+
 optim_db: list[OptimizerInfo] = [
-    OptimizerInfo(
-        "Adam",
-        torch.optim.Adam,
-        inputs=[{}, {"lr": 1e-2, "weight_decay": 0.1}, {"maximize": True}, {"lr": torch.tensor(1e-3)}],
-        error_inputs=[ErrorInput({"lr": -1.0}, ValueError, r"Invalid learning rate: -1.0")],
-        atomic_step=False,
-    ),
-    OptimizerInfo("SMMF-torch", partial(SMMF, backend="torch"), SMMF_INPUTS, SMMF_ERRORS),
-    *[OptimizerInfo(f"SMMF-{b}", partial(SMMF, backend=b), SMMF_INPUTS, SMMF_ERRORS) for b in FUSED_BACKENDS],
+    *[
+        OptimizerInfo(
+            "Adam",
+            torch.optim.Adam,
+            inputs=[{}, {"lr": 1e-2, "weight_decay": 0.1}, {"maximize": True}, {"lr": torch.tensor(1e-3)}],
+            error_inputs=[ErrorInput({"lr": -1.0}, ValueError, r"Invalid learning rate: -1.0")],
+            atomic_step=False,
+            device=device,
+        )
+        for device in DEVICES
+    ],
+    *[OptimizerInfo("SMMF-torch", partial(SMMF, backend="torch"), SMMF_INPUTS, SMMF_ERRORS, device=d) for d in DEVICES],
+    *[
+        OptimizerInfo(f"SMMF-{b}", partial(SMMF, backend=b), SMMF_INPUTS, SMMF_ERRORS, device=device_of(b))
+        for b in FUSED_BACKENDS
+    ],
 ]

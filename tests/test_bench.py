@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from smmf.bench.shapes import gpt2_like_shapes, make_params
-from smmf.bench.step_time import extra_peak_ratio, format_results, median_step_seconds, optim_map
+from smmf.bench.step_time import LIMIT, extra_peak_ratio, format_results, interleaved_medians, optim_map
 from smmf.kernels import available_backends
 
 
@@ -17,15 +17,19 @@ def test_gpt2_like_shape_set_has_52m_parameters() -> None:
 
 
 def test_every_benchmarked_optimizer_steps_and_the_table_reports_ratios() -> None:
+    for name, factory in optim_map("cpu").items():
+        params = make_params([(64, 32), (32,)])
+        before = [p.detach().clone() for p in params]
+        interleaved_medians({name: factory}, params, repeats=2, device="cpu", limit=False)
+        assert all(not torch.equal(p, b) for p, b in zip(params, before)), name
     params = make_params([(64, 32), (32,)])
-    before = [p.detach().clone() for p in params]
-    seconds = {name: median_step_seconds(factory, params, repeats=2, device="cpu") for name, factory in optim_map("cpu").items()}
-    assert all(s > 0 for s in seconds.values())
-    assert any(not torch.equal(p, b) for p, b in zip(params, before))
-    results = {"device": "cpu", "threads": 2, "repeats": 2, "step_seconds": {"tiny": seconds},
-               "extra_peak_over_param_bytes": {}}
+    seconds = interleaved_medians(optim_map("cpu"), params, repeats=2, device="cpu")
+    assert set(seconds) == set(optim_map("cpu")) | {LIMIT}
+    results = {"device": "cpu", "threads": 2, "repeats": 2, "baseline": "Adam(fused)", "copy_bytes_per_second": 1e10,
+               "params": {"tiny": 64 * 32 + 32}, "step_seconds": {"tiny": seconds}, "extra_peak_over_param_bytes": {}}
     text = format_results(results)
-    assert "tiny / Adam(foreach)" in text and "SMMF(torch)" in text
+    assert "/ Adam(fused)" in text and "SMMF(torch)" in text and "/ axpy" in text
+    assert list(optim_map("cpu"))[:2] == ["Adam(fused)", "Adam(foreach)"]  # the strongest baseline first
 
 
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),

@@ -8,18 +8,20 @@ import io
 import pytest
 import torch
 
-from helpers import FUSED_BACKENDS
+from helpers import FUSED_BACKENDS, device_of
 from smmf import SMMF
 
 
-def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def _model(dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 5)).to(dtype)
+    layers = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 5))
+    return layers.to(device=device, dtype=dtype)
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(4, 3, 8, 8, generator=gen).to(next(model.parameters()).dtype)
+    param = next(model.parameters())
+    x = torch.randn(4, 3, 8, 8, generator=gen).to(param.device, param.dtype)
     opt.zero_grad()
     model(x).float().pow(2).mean().backward()
     opt.step()
@@ -34,17 +36,18 @@ def _roundtrip(obj: object) -> object:
 
 @pytest.mark.parametrize("backend", ["torch", *FUSED_BACKENDS])
 def test_resume_is_bit_identical(backend: str) -> None:
-    straight = _model()
+    device = device_of(backend)
+    straight = _model(device=device)
     opt = SMMF(straight.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
     for s in range(10):
         _step(straight, opt, s)
 
-    first = _model()
+    first = _model(device=device)
     opt1 = SMMF(first.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
     for s in range(4):
         _step(first, opt1, s)
     checkpoint = _roundtrip({"model": first.state_dict(), "optim": opt1.state_dict()})
-    resumed = _model()
+    resumed = _model(device=device)
     resumed.load_state_dict(checkpoint["model"])
     opt2 = SMMF(resumed.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
     opt2.load_state_dict(checkpoint["optim"])

@@ -17,11 +17,11 @@ parametrize_cases = pytest.mark.parametrize("info,kwargs", CASES, ids=CASE_IDS)
 parametrize_infos = pytest.mark.parametrize("info", optim_db, ids=str)
 
 
-def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def _model(device: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 3 * 3, 3)
-    ).to(dtype)
+    ).to(device=device, dtype=dtype)
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +31,8 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _loss(model: torch.nn.Module, seed: int) -> torch.Tensor:
     x, y = _batch(seed)
-    return torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)), y.to(x.dtype))
+    param = next(model.parameters())
+    return torch.nn.functional.mse_loss(model(x.to(param.device, param.dtype)), y.to(param.device, param.dtype))
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
@@ -59,8 +60,8 @@ def test_errors(info: OptimizerInfo) -> None:
 @parametrize_cases
 def test_goes_the_right_direction(info: OptimizerInfo, kwargs: dict[str, Any]) -> None:
     torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(8, 8))
-    target = torch.randn(8, 8)
+    w = torch.nn.Parameter(torch.randn(8, 8, device=info.device))
+    target = torch.randn(8, 8, device=info.device)
     opt = info.factory([w], **_fresh_kwargs(kwargs))
     sign = -1.0 if kwargs.get("maximize") else 1.0
     initial = (w - target).pow(2).sum().item()
@@ -74,7 +75,7 @@ def test_goes_the_right_direction(info: OptimizerInfo, kwargs: dict[str, Any]) -
 
 @parametrize_cases
 def test_frozen_layer_and_missing_grad(info: OptimizerInfo, kwargs: dict[str, Any]) -> None:
-    model = _model()
+    model = _model(info.device)
     model[0].weight.requires_grad_(False)
     frozen = model[0].weight.detach().clone()
     opt = info.factory(model.parameters(), **_fresh_kwargs(kwargs))
@@ -91,7 +92,9 @@ def test_frozen_layer_and_missing_grad(info: OptimizerInfo, kwargs: dict[str, An
 
 @parametrize_cases
 def test_zero_dim_and_empty_params(info: OptimizerInfo, kwargs: dict[str, Any]) -> None:
-    params = [torch.nn.Parameter(torch.tensor(1.5)), torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(3, 0))]
+    dev = info.device
+    params = [torch.nn.Parameter(torch.tensor(1.5, device=dev)), torch.nn.Parameter(torch.empty(0, device=dev)),
+              torch.nn.Parameter(torch.empty(3, 0, device=dev))]
     opt = info.factory(params, **_fresh_kwargs(kwargs))
     for _ in range(3):
         for p in params:
@@ -104,7 +107,7 @@ def test_zero_dim_and_empty_params(info: OptimizerInfo, kwargs: dict[str, Any]) 
 def test_zero_grads_are_a_no_op(info: OptimizerInfo, kwargs: dict[str, Any]) -> None:
     if kwargs.get("weight_decay"):
         pytest.skip("weight decay moves params even with zero grads")
-    model = _model()
+    model = _model(info.device)
     before = [p.detach().clone() for p in model.parameters()]
     opt = info.factory(model.parameters(), **_fresh_kwargs(kwargs))
     for _ in range(3):
@@ -121,7 +124,7 @@ def test_zero_grads_are_a_no_op(info: OptimizerInfo, kwargs: dict[str, Any]) -> 
 
 @parametrize_infos
 def test_tiny_lr_in_one_group_leaves_it_unchanged(info: OptimizerInfo) -> None:
-    model = _model()
+    model = _model(info.device)
     still = model[0].weight.detach().clone()
     opt = info.factory([{"params": [model[0].weight], "lr": 1e-20}, {"params": list(model[3].parameters())}], lr=1e-2)
     _train(model, opt, range(5))
@@ -130,7 +133,7 @@ def test_tiny_lr_in_one_group_leaves_it_unchanged(info: OptimizerInfo) -> None:
 
 @parametrize_cases
 def test_state_dict_load_into_clone_is_deterministic(info: OptimizerInfo, kwargs: dict[str, Any]) -> None:
-    model = _model()
+    model = _model(info.device)
     opt = info.factory(model.parameters(), **_fresh_kwargs(kwargs))
     _train(model, opt, range(3))
     clone = copy.deepcopy(model)
@@ -148,7 +151,7 @@ def test_state_dict_load_into_clone_is_deterministic(info: OptimizerInfo, kwargs
 
 @parametrize_cases
 def test_deepcopy_continues_identically(info: OptimizerInfo, kwargs: dict[str, Any]) -> None:
-    model = _model()
+    model = _model(info.device)
     opt = info.factory(model.parameters(), **_fresh_kwargs(kwargs))
     _train(model, opt, range(2))
     model2, opt2 = copy.deepcopy((model, opt))
@@ -157,7 +160,7 @@ def test_deepcopy_continues_identically(info: OptimizerInfo, kwargs: dict[str, A
 
 @parametrize_infos
 def test_closure_returns_the_loss(info: OptimizerInfo) -> None:
-    model = _model()
+    model = _model(info.device)
     opt = info.factory(model.parameters())
 
     def closure() -> torch.Tensor:
@@ -173,7 +176,7 @@ def test_closure_returns_the_loss(info: OptimizerInfo) -> None:
 @parametrize_infos
 def test_works_with_lr_scheduler(info: OptimizerInfo) -> None:
     """An LR that a scheduler drives to zero stops the params from moving."""
-    model = _model()
+    model = _model(info.device)
     opt = info.factory(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch < 2 else 0.0)
     for s in range(2):
@@ -189,11 +192,11 @@ def test_complex_params_match_their_real_view(info: OptimizerInfo) -> None:
     if not info.supports_complex:
         pytest.skip("no complex support")
     torch.manual_seed(0)
-    z = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
+    z = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64, device=info.device))
     r = torch.nn.Parameter(torch.view_as_real(z.detach()).clone())
     opt_z, opt_r = info.factory([z], lr=1e-2), info.factory([r], lr=1e-2)
     for _ in range(5):
-        g = torch.randn(4, 3, dtype=torch.complex64)
+        g = torch.randn(4, 3, dtype=torch.complex64, device=info.device)
         z.grad, r.grad = g, torch.view_as_real(g).clone()
         opt_z.step()
         opt_r.step()
@@ -202,10 +205,11 @@ def test_complex_params_match_their_real_view(info: OptimizerInfo) -> None:
 
 @parametrize_infos
 def test_sparse_grads_are_rejected_and_change_nothing(info: OptimizerInfo) -> None:
-    dense, sparse = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(4, 2))
+    dev = info.device
+    dense, sparse = torch.nn.Parameter(torch.randn(3, 3, device=dev)), torch.nn.Parameter(torch.randn(4, 2, device=dev))
     opt = info.factory([dense, sparse])
-    dense.grad = torch.randn(3, 3)
-    sparse.grad = torch.randn(4, 2).to_sparse()
+    dense.grad = torch.randn(3, 3, device=dev)
+    sparse.grad = torch.randn(4, 2, device=dev).to_sparse()
     before = dense.detach().clone()
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         opt.step()
@@ -216,9 +220,9 @@ def test_sparse_grads_are_rejected_and_change_nothing(info: OptimizerInfo) -> No
 
 @parametrize_infos
 def test_grad_scaler_skips_inf_steps_and_keeps_state(info: OptimizerInfo) -> None:
-    model = _model()
+    model = _model(info.device)
     opt = info.factory(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    scaler = torch.amp.GradScaler(info.device, init_scale=2.0**4)
     for s in range(3):
         opt.zero_grad()
         scaler.scale(_loss(model, s)).backward()

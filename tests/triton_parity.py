@@ -8,11 +8,13 @@ import sys
 import torch
 
 from smmf.functional import StepConfig, torch_step_
-from smmf.kernels.triton_gpu import covers, triton_step_
+from smmf.kernels.triton_gpu import triton_step_
 from smmf.matrix import beta1_at, beta2_at, unpack_signs
 from smmf.state import init_state
 
-SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128)]  # the last two: fallback / several tiles
+# Aligned widths (64×48, 32×24, 256×128: several tiles) and widths that are not a multiple of 8
+# (36×30 conv, a prime, 31×9), which write their sign bits through the int32 scratch.
+SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128), (1000, 3)]
 
 
 def _first_moment(prev: dict, w: torch.Tensor, g: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
@@ -39,7 +41,6 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
     make the two trajectories drift apart for reasons that are not the kernel's)."""
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    covered = 0
     for shape in SHAPES:
         p = torch.randn(shape, generator=gen).to(device, dtype)
         sp = init_state(p, {"beta": beta, "vector_reshape": True})
@@ -62,8 +63,6 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
             if m is not None:
                 _signs_agree_where_clear(m, sp, sq)
             worst = max(worst, (q.float() - p.float()).abs().max().item() if p.numel() else 0.0)
-        covered += covers(p, cfg)
-    assert covered >= 3, "the kernel itself must run, not only its torch fallback"
     return worst
 
 

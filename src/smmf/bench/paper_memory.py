@@ -1,7 +1,10 @@
 """``smmf memory``: the paper's optimizer-memory tables, reproduced from model shapes.
 
 Each row gives our figure as the CUDA caching allocator would hold it (every state tensor rounded
-up to 512 B, as the paper measured), the exact bytes, the paper's figure and the difference.
+up to 512 B, as the paper measured), the exact bytes, the paper's figure and the difference. With
+``--measure cuda`` the Adam and SMMF rows also get the state measured on the GPU: the model is built
+there from its config (random weights), and the growth of ``torch.cuda.memory_allocated()`` over one
+step is recorded.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from ..memory import CUDA_ALLOCATOR_BLOCK, OPTIMIZERS, predict_state_bytes
@@ -81,20 +85,50 @@ PAPER_TABLES: list[PaperTable] = [
 ]
 
 UNITS = {"MiB": 2**20, "GiB": 2**30}
+MEASURED_OPTIMIZERS = {"adam": "torch.optim.Adam", "smmf": "smmf.SMMF"}
 
 
-def measure_row(row: PaperRow, unit: str) -> list[dict[str, Any]]:
+def measure_row(row: PaperRow, unit: str, device: Optional[str] = None) -> list[dict[str, Any]]:
     model = row.spec.build()
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    measured = measured_state_bytes(row.spec.build, device) if device else {}
     out = []
     for optimizer, paper in row.paper.items():
         exact = predict_state_bytes(model, optimizer) / UNITS[unit]
         allocated = predict_state_bytes(model, optimizer, CUDA_ALLOCATOR_BLOCK) / UNITS[unit]
-        out.append(dict(
+        entry = dict(
             model=row.spec.name, variant=row.spec.variant, params=params, optimizer=optimizer, unit=unit,
             ours_allocated=allocated, ours_exact=exact, paper=paper, diff_pct=100.0 * (allocated - paper) / paper,
             same_when_printed=_printed_like(allocated, paper),
-        ))
+        )
+        if optimizer in measured:
+            entry["measured"] = measured[optimizer] / UNITS[unit]
+            entry["measured_vs_ours_pct"] = 100.0 * (entry["measured"] - allocated) / allocated
+        out.append(entry)
+    return out
+
+
+def measured_state_bytes(build: Callable[[], nn.Module], device: str) -> dict[str, int]:
+    """Growth of allocated device memory over the first step of Adam and of SMMF on the real model."""
+    from .. import SMMF
+
+    factories = {"adam": torch.optim.Adam, "smmf": SMMF}
+    out = {}
+    for name, factory in factories.items():
+        model = build().to_empty(device=device)  # uninitialized; only the trainable params get values
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p in trainable:
+                p.normal_(0.0, 0.02)
+                p.grad = torch.randn_like(p).mul_(1e-3)
+        opt = factory(trainable)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        opt.step()
+        torch.cuda.synchronize(device)
+        out[name] = torch.cuda.memory_allocated(device) - before
+        del opt, model, trainable
+        torch.cuda.empty_cache()
     return out
 
 
@@ -105,7 +139,9 @@ def _printed_like(ours: float, paper: float) -> bool:
     return round(ours, decimals) == round(paper, decimals)
 
 
-def run(model: Optional[str] = None, show_progress: bool = True) -> list[tuple[PaperTable, list[dict[str, Any]]]]:
+def run(
+    model: Optional[str] = None, show_progress: bool = True, device: Optional[str] = None
+) -> list[tuple[PaperTable, list[dict[str, Any]]]]:
     tables = [(t, [r for r in t.rows if model is None or r.spec.name.lower() == model.lower()]) for t in PAPER_TABLES]
     tables = [(t, rows) for t, rows in tables if rows]
     if not tables:
@@ -114,18 +150,24 @@ def run(model: Optional[str] = None, show_progress: bool = True) -> list[tuple[P
     jobs = [(t, r) for t, rows in tables for r in rows]
     results: dict[int, list[dict[str, Any]]] = {id(t): [] for t, _ in tables}
     for table, row in progress(jobs, "building models", len(jobs), show_progress):
-        results[id(table)] += measure_row(row, table.unit)
+        results[id(table)] += measure_row(row, table.unit, device)
     return [(t, results[id(t)]) for t, _ in tables]
 
 
 def format_results(results: list[tuple[PaperTable, list[dict[str, Any]]]], fmt: str) -> str:
     if fmt == "json":
         return json.dumps([{"table": t.title, "unit": t.unit, "rows": rows, "missing": t.missing} for t, rows in results], indent=2)
+    measured = any("measured" in r for _, rows in results for r in rows)
     headers = ["model", "params", "optimizer", "ours", "ours exact", "paper", "diff %", "prints as paper"]
+    if measured:
+        headers += [f"measured ({torch.cuda.get_device_name()})", "measured vs ours %"]
     parts = []
     for table, rows in results:
         body = [[r["model"], f"{r['params'] / 1e6:.1f}M", r["optimizer"], r["ours_allocated"], r["ours_exact"],
                  r["paper"], f"{r['diff_pct']:+.1f}", "yes" if r["same_when_printed"] else "no"] for r in rows]
+        if measured:
+            for line, r in zip(body, rows):
+                line += [r.get("measured"), f"{r['measured_vs_ours_pct']:+.2f}" if "measured" in r else None]
         text = format_table(headers, body, fmt)
         if fmt == "csv":
             parts.append(f"# {table.title} ({table.unit})\n" + text)
@@ -153,6 +195,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--model", help="only this model's rows (e.g. ResNet-50, GPT-2)")
     parser.add_argument("--config", help="report the state of any transformers config file instead")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
+    parser.add_argument("--measure", choices=["cuda"], help="also measure Adam's and SMMF's state on this device")
     return parser
 
 
@@ -161,7 +204,9 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     if args.config:
         print(config_report(args.config, args.format))
         return 0
-    print(format_results(run(args.model), args.format))
+    if args.measure and not torch.cuda.is_available():
+        raise SystemExit("smmf memory: error: --measure cuda needs a CUDA device, and none is available")
+    print(format_results(run(args.model, device=args.measure), args.format))
     return 0
 
 

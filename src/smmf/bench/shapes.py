@@ -13,6 +13,12 @@ def gpt2_like_shapes() -> list[Shape]:
     return [(12564, 768)] + block * 6
 
 
+def gpt2_xl_like_shapes() -> list[Shape]:
+    """A ~1.56B-parameter GPT-2-XL-like set: embedding 50257×1600, then 48 blocks."""
+    block: list[Shape] = [(4800, 1600), (1600, 1600), (6400, 1600), (1600, 6400), (1600,), (1600,)]
+    return [(50257, 1600)] + block * 48
+
+
 def resnet50_shapes(num_labels: int = 1000) -> list[Shape]:
     """ResNet-50's trainable parameter shapes (transformers' ResNet, built on the meta device)."""
     from transformers import ResNetConfig, ResNetForImageClassification
@@ -25,12 +31,14 @@ def resnet50_shapes(num_labels: int = 1000) -> list[Shape]:
     return [tuple(p.shape) for p in model.parameters()]
 
 
-def make_params(shapes: list[Shape], seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
-    """Real parameters with gradients set, for timing."""
-    gen = torch.Generator().manual_seed(seed)
+def make_params(
+    shapes: list[Shape], seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[torch.nn.Parameter]:
+    """Real parameters with gradients set, for timing (drawn on ``device``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     params = []
     for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype) * 0.02)
-        p.grad = torch.randn(shape, generator=gen, dtype=dtype) * 1e-3
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(0.02))
+        p.grad = torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(1e-3)
         params.append(p)
     return params

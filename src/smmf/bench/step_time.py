@@ -1,8 +1,12 @@
-"""Step time and extra peak memory of SMMF against Adam and Adafactor.
+"""Step time, bandwidth and extra peak memory of SMMF against the strongest torch baselines.
 
-Prints, from one run, each optimizer's median step time as a ratio to Adam's (foreach on CPU,
-fused AdamW on CUDA), and the extra resident memory of one step relative to the parameter bytes,
-each measured in a fresh process.
+From one run, with the candidates interleaved round by round (so that a noisy moment hits all of
+them): each optimizer's median step time, as a ratio to the strongest Adam on the device
+(``fused=True``: ``Adam`` on CPU, ``AdamW`` on CUDA) and to the physical limit — an in-place axpy
+``a += 1e-9·b`` over as many fp32 elements as the parameters, which moves 12 B per element, the
+access pattern of a bandwidth-bound SMMF step — and as achieved GB/s (the bytes each optimizer must
+move ÷ time). Extra peak memory of one step over the parameter bytes: on CPU the RSS high-water
+mark of one 8192×4096 step in a fresh process, on CUDA ``max_memory_allocated`` over each set.
 """
 
 from __future__ import annotations
@@ -24,23 +28,39 @@ from .. import SMMF
 from ..kernels import available_backends
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
-from .shapes import gpt2_like_shapes, make_params, resnet50_shapes
+from .shapes import gpt2_like_shapes, gpt2_xl_like_shapes, make_params, resnet50_shapes
 from .table import format_table
 
 OptimFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 PEAK_SHAPE = (8192, 4096)
+SHAPE_SETS = {"gpt2-52M": gpt2_like_shapes, "resnet50": resnet50_shapes, "gpt2-xl-1.3B": gpt2_xl_like_shapes}
+LIMIT = "axpy (limit)"
+# Bytes per fp32 parameter that one step must move: read the gradient, read and write the weight
+# and every state tensor of the parameter's size (SMMF: the 1-bit signs, 2 × 1/8 B).
+BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25, "axpy": 12.0}
 
 
 def optim_map(device: str) -> dict[str, OptimFactory]:
-    fused = "triton" if device == "cuda" else "numba"
-    table: dict[str, OptimFactory] = {"Adam(foreach)": partial(torch.optim.Adam, foreach=True)}
-    if device == "cuda":
-        table["AdamW(fused)"] = partial(torch.optim.AdamW, fused=True)
-    table["Adafactor(torch)"] = partial(torch.optim.Adafactor, foreach=True)
-    table["SMMF(torch)"] = partial(SMMF, backend="torch")
+    """The candidates on ``device``, strongest baseline first."""
+    adam, fused = ("AdamW", "triton") if device == "cuda" else ("Adam", "numba")
+    adam_cls = getattr(torch.optim, adam)
+    table: dict[str, OptimFactory] = {
+        f"{adam}(fused)": partial(adam_cls, fused=True),
+        f"{adam}(foreach)": partial(adam_cls, foreach=True),
+        "Adafactor(torch)": partial(torch.optim.Adafactor, foreach=True),
+        "SMMF(torch)": partial(SMMF, backend="torch"),
+    }
     if fused in available_backends():
         table[f"SMMF({fused})"] = partial(SMMF, backend=fused)
     return table
+
+
+def baseline_name(device: str) -> str:
+    return next(iter(optim_map(device)))
+
+
+def bytes_per_param(name: str) -> float:
+    return BYTES_PER_PARAM[name.split("(")[0].strip()]
 
 
 def _sync(device: str) -> None:
@@ -48,20 +68,65 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_step_seconds(factory: OptimFactory, params: list[torch.nn.Parameter], repeats: int, device: str) -> float:
-    opt = factory(params)
-    for _ in range(2):  # state creation and JIT compilation are not timed
-        opt.step()
+def _timed(fn: Callable[[], object], device: str) -> float:
     _sync(device)
-    times = []
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def median_step_seconds(factory: OptimFactory, params: list[torch.nn.Parameter], repeats: int, device: str) -> float:
+    """One optimizer alone: the median of ``repeats`` steps after two untimed ones."""
+    return interleaved_medians({"one": factory}, params, repeats, device, limit=False)["one"]
+
+
+def interleaved_medians(
+    factories: dict[str, OptimFactory], params: list[torch.nn.Parameter], repeats: int, device: str, limit: bool = True
+) -> dict[str, float]:
+    """Median step seconds of each optimizer (and of the axpy limit), timed round-robin on the same params."""
+    optimizers = {name: factory(params) for name, factory in factories.items()}
+    for opt in optimizers.values():
+        for _ in range(2):  # state creation and JIT compilation are not timed
+            opt.step()
+    steps: dict[str, Callable[[], object]] = {name: opt.step for name, opt in optimizers.items()}
+    if limit:
+        numel = sum(p.numel() for p in params)
+        a = torch.zeros(numel, device=device)
+        b = torch.ones(numel, device=device)
+        steps[LIMIT] = partial(a.add_, b, alpha=1e-9)
+        steps[LIMIT]()
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        for name, step in steps.items():
+            times[name].append(_timed(step, device))
+    del optimizers, steps
+    gc.collect()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def cuda_extra_peak(factory: OptimFactory, params: list[torch.nn.Parameter]) -> float:
+    """Extra CUDA memory of one step (after state creation) over the parameter bytes."""
+    opt = factory(params)
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    opt.step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
     del opt
     gc.collect()
-    return statistics.median(times)
+    return extra / sum(p.numel() * p.element_size() for p in params)
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """The device's copy bandwidth, bytes read + written per second (median of ``repeats``)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = statistics.median(_timed(partial(dst.copy_, src), device) for _ in range(repeats))
+    return 2 * nbytes / seconds
 
 
 def _peak_child(name: str) -> None:
@@ -90,56 +155,70 @@ def extra_peak_ratio(name: str) -> float:
 
 
 def run(sets: list[str], repeats: int, device: str, peak: bool, show_progress: bool = True) -> dict[str, Any]:
-    shape_sets = {"gpt2-52M": gpt2_like_shapes, "resnet50": resnet50_shapes}
     optims = optim_map(device)
-    jobs = [(s, name) for s in sets for name in optims]
-    peak_jobs = list(optims) if peak and device == "cpu" and os.path.exists("/proc/self/clear_refs") else []
+    cpu_peak = peak and device == "cpu" and os.path.exists("/proc/self/clear_refs")
     results: dict[str, Any] = {
-        "device": device,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "repeats": repeats,
-        "step_seconds": {s: {} for s in sets},
+        "baseline": baseline_name(device),
+        "copy_bytes_per_second": copy_bandwidth(device),
+        "params": {},
+        "step_seconds": {},
         "extra_peak_over_param_bytes": {},
     }
-    params_cache: dict[str, list[torch.nn.Parameter]] = {}
-    for set_name, name in progress(jobs + [("peak", n) for n in peak_jobs], "bench", len(jobs) + len(peak_jobs), show_progress):
-        if set_name == "peak":
-            results["extra_peak_over_param_bytes"][name] = extra_peak_ratio(name)
+    jobs: list[tuple[str, str]] = [(s, "time") for s in sets]
+    if peak and device == "cuda":
+        jobs += [(s, name) for s in sets for name in optims]
+    if cpu_peak:
+        jobs += [("fresh process", name) for name in optims]
+    params: list[torch.nn.Parameter] = []
+    loaded = None
+    for set_name, what in progress(jobs, "bench", len(jobs), show_progress):
+        if set_name == "fresh process":
+            results["extra_peak_over_param_bytes"].setdefault(set_name, {})[what] = extra_peak_ratio(what)
             continue
-        if set_name not in params_cache:
-            params_cache.clear()
-            params_cache[set_name] = [p.to(device) if device != "cpu" else p for p in make_params(shape_sets[set_name]())]
-        params = params_cache[set_name]
-        if device != "cpu":
-            for p in params:
-                p.grad = p.grad.to(device)
-        results["step_seconds"][set_name][name] = median_step_seconds(optims[name], params, repeats, device)
+        if loaded != set_name:
+            params = []
+            gc.collect()
+            params = make_params(SHAPE_SETS[set_name](), device=device)
+            loaded = set_name
+            results["params"][set_name] = sum(p.numel() for p in params)
+        if what == "time":
+            results["step_seconds"][set_name] = interleaved_medians(optims, params, repeats, device)
+        else:
+            results["extra_peak_over_param_bytes"].setdefault(set_name, {})[what] = cuda_extra_peak(optims[what], params)
     return results
 
 
 def format_results(results: dict[str, Any], fmt: str = "table") -> str:
-    baseline = "AdamW(fused)" if results["device"] == "cuda" else "Adam(foreach)"
+    baseline = results["baseline"]
     sets = list(results["step_seconds"])
     names = list(next(iter(results["step_seconds"].values())))
     headers = ["optimizer"]
     for s in sets:
-        headers += [f"{s} ms", f"{s} / {baseline}"]
-    headers.append("extra peak / param bytes")
+        headers += [f"{s} ms", f"/ {baseline}", "/ axpy", "GB/s"]
+    peaks = results["extra_peak_over_param_bytes"]
+    headers += [f"extra peak / param bytes ({s})" for s in peaks]
     rows = []
     for name in names:
         row: list[Any] = [name]
         for s in sets:
-            t = results["step_seconds"][s][name]
-            row += [t * 1e3, t / results["step_seconds"][s][baseline]]
-        row.append(results["extra_peak_over_param_bytes"].get(name))
+            times = results["step_seconds"][s]
+            t = times[name]
+            row += [t * 1e3, t / times[baseline], t / times[LIMIT], bytes_per_param(name) * results["params"][s] / t / 1e9]
+        row += [peaks[s].get(name) for s in peaks]
         rows.append(row)
-    title = f"median optimizer step, {results['device']}, {results['threads']} threads, {results['repeats']} repeats\n"
+    title = (
+        f"median optimizer step, {results['device']}, {results['threads']} CPU threads, {results['repeats']} "
+        f"interleaved repeats; device copy bandwidth {results['copy_bytes_per_second'] / 1e9:.0f} GB/s (read + write)\n"
+    )
     return title + format_table(headers, rows, fmt)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sets", default="gpt2-52M,resnet50", help="comma-separated: gpt2-52M, resnet50")
+    parser.add_argument("--sets", default="gpt2-52M,resnet50", help=f"comma-separated, of: {', '.join(SHAPE_SETS)}")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory measurement")

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..functional import StepConfig, torch_step_
 from ..sharding import is_dtensor, shard_info
-from ..state import EXP_AVG_SQ
+from ..state import EXP_AVG_SQ, real_view
 
 __all__ = ["BACKENDS", "available_backends", "check_backend", "step_kernel"]
 
@@ -53,29 +53,30 @@ def _numba_covers(param: Tensor) -> bool:
 
 
 def _triton_covers(param: Tensor) -> bool:
-    return param.is_cuda and param.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return param.is_cuda and real_view(param).dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKernel:
     """The kernel that updates ``param`` under ``backend``.
 
-    Dense (``vector_reshape=False``) and complex parameters always take the torch path: they are
-    small vectors or rare. DTensor (FSDP2) parameters take the sharded torch path. A named
-    backend that cannot take ``param`` raises ``RuntimeError``.
+    ``auto`` takes the Triton kernel for CUDA parameters (fp32, bf16, fp16 and complex of those)
+    and the numba kernel for CPU ones (fp32, fp64, bf16) where installed. The torch path takes the
+    rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU. DTensor
+    (FSDP2) parameters take the sharded torch path. A named backend that cannot take ``param``
+    raises ``RuntimeError``.
     """
     if is_dtensor(param):
         from .sharded import sharded_step_
 
         shard_info(param)  # unsupported placements fail here, before any update
         return sharded_step_
-    if backend == "torch" or EXP_AVG_SQ in state or param.is_complex():
+    if backend == "torch" or EXP_AVG_SQ in state or (param.is_complex() and not param.is_cuda):
         return torch_step_
     if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba"):
         from .numba_cpu import numba_step_
 
         return numba_step_
-    # Opt-in until verified on a GPU: "auto" keeps CUDA params on the torch path for now.
-    if backend == "triton" and _triton_covers(param) and _has_module("triton"):
+    if backend in ("auto", "triton") and _triton_covers(param) and _has_module("triton"):
         from .triton_gpu import triton_step_
 
         return triton_step_

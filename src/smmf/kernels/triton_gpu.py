@@ -1,16 +1,32 @@
 """Fused SMMF step on CUDA (Triton): the contract of the numba kernel, on GPU tiles.
 
-Each program owns a band of rows and walks it in column tiles: it reads the gradient, the weight
-and the packed sign bytes once, rebuilds M̂ and V̂ from the factors, writes the weight and the new
-sign bytes in place, keeps its rows' sums of |M| and V in registers, and adds its column sums to
-two m-long accumulators. The column factors are normalized afterwards (two vector ops).
+Contract (same as :func:`smmf.functional.torch_step_`): ``param`` (fp32, bf16, fp16, or complex
+with such a real view) is updated in place from ``grad``; its state — ``row_m``/``col_m``/``row_v``/
+``col_v`` fp32 factors of the n̂×m̂ square-matricized view and ``sign_m``, the packed sign bits laid
+out as :func:`smmf.matrix.pack_signs` specifies — is rewritten in place. ``state['step']`` is
+already advanced. Nothing of the parameter's size is allocated but the sign scratch below.
 
-Covers fp32/bf16/fp16 parameters whose matrix width m̂ is a multiple of 8 (each row is then whole
-sign bytes); anything else (and ``stochastic_rounding``) takes the torch path.
+Two launches per tensor, both deterministic (no floating-point atomics, so a resumed run is
+bit-identical to an uninterrupted one):
+
+1. ``_step_kernel``, grid (bands, column tiles). A program walks its band of rows in tiles of
+   ``BR × BC``: it reads the gradient, the weight and the sign bits once, rebuilds M̂ and V̂ from the
+   factors, writes the weight and the new sign bits, and writes its partial sums of |M| and V —
+   per row of each tile (one slot per column tile) and per column of its band (one slot per band)
+   — into a small fp32 buffer (~2/BC + 2·bands/n̂ of the parameter's fp32 bytes).
+2. ``_finish_kernel``, one program per moment: sums the partials in a fixed order, writes the row
+   factors and the column factors normalized by the total (``smmf.matrix.nnmf_from_sums``).
+
+Sign bits: when m̂ is a multiple of 8 every row is whole sign bytes and a tile reads and writes its
+own bytes. Otherwise a byte can straddle two tiles; the kernel then ORs the new bits, 32 at a time,
+into a zeroed int32 scratch (atomic OR is order-independent, so still deterministic) that is
+copied over the state afterwards: N/8 extra bytes for those tensors only.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,106 +34,216 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..functional import StepConfig, torch_step_
-from ..matrix import nnmf_from_sums
-from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape
+from ..functional import StepConfig
+from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape, real_view
 
-__all__ = ["triton_step_", "covers"]
-
-_BLOCK_ROWS = 16
-_BLOCK_COLS = 128
+__all__ = ["triton_step_"]
 
 
 @triton.jit
-def _smmf_kernel(w_ptr, g_ptr, signs_ptr, row_m_ptr, col_m_ptr, row_v_ptr, col_v_ptr, acc_m_ptr, acc_v_ptr,
-                 n, m, lr, beta1, beta2, eps, gsign, shrink, l2,
-                 HAS_M: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    row_ok = rows < n
-    rows64 = rows.to(tl.int64)
-    rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)
+def _step_kernel(w_ptr, g_ptr, signs_ptr, words_ptr, row_m_ptr, col_m_ptr, row_v_ptr, col_v_ptr, part_ptr,
+                 n, m, band_rows, lr, beta1, beta2, eps, gsign, shrink, l2, seed,
+                 HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
+                 BR: tl.constexpr, BC: tl.constexpr):
+    """Arguments: ``w``/``g`` the weight and gradient (n·m elements, row-major, param dtype);
+    ``signs`` uint8 packed sign bits; ``words`` a zeroed int32 scratch for the new bits (used when
+    not ``ALIGNED``); the four fp32 factor vectors (read only here); ``part`` the fp32 partial sums,
+    laid out [V rows: tiles×n][M rows: tiles×n][V cols: bands×m][M cols: bands×m]. Scalars:
+    ``gsign`` −1 to maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the coupled
+    decay coefficient, ``seed`` for stochastic rounding. ``BC`` is a multiple of 32."""
+    band = tl.program_id(0)
+    tile = tl.program_id(1)
+    n_tiles = tl.num_programs(1)
+    cols = tile * BC + tl.arange(0, BC)
+    col_ok = cols < m
+    cv = tl.load(col_v_ptr + cols, mask=col_ok, other=0.0)
     if HAS_M:
-        rm = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)
-    else:
-        rm = tl.zeros((BR,), dtype=tl.float32)
-    sum_v = tl.zeros((BR,), dtype=tl.float32)
-    sum_m = tl.zeros((BR,), dtype=tl.float32)
-    shifts = tl.arange(0, 8).to(tl.uint8)
-    for c0 in range(0, m, BC):
-        cols = c0 + tl.arange(0, BC)
-        col_ok = cols < m
+        cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+    col_sum_v = tl.zeros((BC,), dtype=tl.float32)
+    col_sum_m = tl.zeros((BC,), dtype=tl.float32)
+    row_part_v = part_ptr + tile * n
+    row_part_m = part_ptr + (n_tiles + tile) * n
+    first_row = band * band_rows
+    last_row = tl.minimum(first_row + band_rows, n)
+    for r0 in range(first_row, last_row, BR):
+        rows = r0 + tl.arange(0, BR)
+        row_ok = rows < last_row
         ok = row_ok[:, None] & col_ok[None, :]
-        offs = rows64[:, None] * m + cols[None, :]
+        offs = rows.to(tl.int64)[:, None] * m + cols[None, :]
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) * shrink
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32) * gsign + l2 * w
-        cv = tl.load(col_v_ptr + cols, mask=col_ok, other=0.0)
+        rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)
         v = beta2 * (rv[:, None] * cv[None, :]) + (1.0 - beta2) * (g * g)
         v = tl.where(ok, v, 0.0)
-        sum_v += tl.sum(v, axis=1)
-        tl.atomic_add(acc_v_ptr + cols, tl.sum(v, axis=0), mask=col_ok)
+        tl.store(row_part_v + rows, tl.sum(v, axis=1), mask=row_ok)
+        col_sum_v += tl.sum(v, axis=0)
         if HAS_M:
-            byte_cols = c0 // 8 + tl.arange(0, BC // 8)
-            byte_offs = rows64[:, None] * (m // 8) + byte_cols[None, :]
-            byte_ok = row_ok[:, None] & (byte_cols < m // 8)[None, :]
-            old = tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0)
-            bits = (old[:, :, None] >> shifts[None, None, :]) & 1
-            sign = tl.reshape(bits, (BR, BC)).to(tl.float32) * 2.0 - 1.0
-            cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+            if ALIGNED:  # a tile's row segment is whole bytes: read and write them in place
+                byte_cols = tile * (BC // 8) + tl.arange(0, BC // 8)
+                byte_offs = rows.to(tl.int64)[:, None] * (m // 8) + byte_cols[None, :]
+                byte_ok = row_ok[:, None] & (byte_cols < m // 8)[None, :]
+                old = tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0)
+                shifts8 = tl.arange(0, 8).to(tl.uint8)
+                bits = tl.reshape((old[:, :, None] >> shifts8[None, None, :]) & 1, (BR, BC))
+            else:
+                bits = (tl.load(signs_ptr + (offs >> 3), mask=ok, other=0) >> (offs & 7).to(tl.uint8)) & 1
+            rm = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)
+            sign = bits.to(tl.float32) * 2.0 - 1.0
             mm = beta1 * (rm[:, None] * cm[None, :] * sign) + (1.0 - beta1) * g
             mm = tl.where(ok, mm, 0.0)
-            nonneg = tl.reshape((mm >= 0).to(tl.uint8), (BR, BC // 8, 8))
-            packed = tl.sum((nonneg << shifts[None, None, :]).to(tl.int32), axis=2)
-            tl.store(signs_ptr + byte_offs, packed.to(tl.uint8), mask=byte_ok)
+            nonneg = (mm >= 0) & ok
+            if ALIGNED:
+                byte_bits = tl.reshape(nonneg.to(tl.int32), (BR, BC // 8, 8)) << shifts8.to(tl.int32)[None, None, :]
+                tl.store(signs_ptr + byte_offs, tl.sum(byte_bits, axis=2).to(tl.uint8), mask=byte_ok)
+            else:
+                # Bits of row i, columns [c, c + 32) land at global bits base + [0, 32), i.e. in two
+                # int32 words: OR each word's share in (atomic OR commutes: deterministic).
+                base = rows.to(tl.int64) * m + tile * BC
+                off = (base & 31).to(tl.int32)
+                t = tl.arange(0, 32)
+                lane = t[None, None, :] + off[:, None, None]
+                shifted = tl.reshape(nonneg.to(tl.int64), (BR, BC // 32, 32)) << (lane & 31).to(tl.int64)
+                lo = tl.sum(tl.where(lane < 32, shifted, 0), axis=2).to(tl.int32)
+                hi = tl.sum(tl.where(lane >= 32, shifted, 0), axis=2).to(tl.int32)
+                word = (base >> 5)[:, None] + tl.arange(0, BC // 32)[None, :]
+                group_ok = row_ok[:, None] & (tile * BC + tl.arange(0, BC // 32)[None, :] * 32 < m)
+                tl.atomic_or(words_ptr + word, lo, mask=group_ok & (lo != 0))
+                tl.atomic_or(words_ptr + word + 1, hi, mask=group_ok & (hi != 0))
             a = tl.abs(mm)
-            sum_m += tl.sum(a, axis=1)
-            tl.atomic_add(acc_m_ptr + cols, tl.sum(a, axis=0), mask=col_ok)
+            tl.store(row_part_m + rows, tl.sum(a, axis=1), mask=row_ok)
+            col_sum_m += tl.sum(a, axis=0)
             u = mm / (tl.sqrt(v) + eps)
         else:
             u = g / (tl.sqrt(v) + eps)
-        tl.store(w_ptr + offs, (w - lr * u).to(w_ptr.dtype.element_ty), mask=ok)
-    tl.store(row_v_ptr + rows, sum_v, mask=row_ok)
+        new_w = w - lr * u
+        if w_ptr.dtype.element_ty == tl.bfloat16:
+            # Round to bf16 in the bits (the same on every Triton target): add noise below the
+            # kept 16 bits (stochastic) or half an ulp to even (nearest), then truncate; NaN stays NaN.
+            bits = new_w.to(tl.uint32, bitcast=True)
+            if STOCHASTIC:
+                bits += (tl.randint(seed, offs.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+            else:
+                bits += 0x7FFF + ((bits >> 16) & 1)
+            rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+            new_w = tl.where(new_w != new_w, new_w, rounded)
+        tl.store(w_ptr + offs, new_w.to(w_ptr.dtype.element_ty), mask=ok)
+    col_part = part_ptr + 2 * n_tiles * n + band * m
+    tl.store(col_part + cols, col_sum_v, mask=col_ok)
     if HAS_M:
-        tl.store(row_m_ptr + rows, sum_m, mask=row_ok)
+        tl.store(col_part + tl.num_programs(0) * m + cols, col_sum_m, mask=col_ok)
 
 
-def covers(param: Tensor, cfg: StepConfig) -> bool:
-    _, cols = matrix_shape(param)
-    return (
-        param.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and cols % 8 == 0
-        and cols > 0
-        and param.is_contiguous()
-        and not (cfg.stochastic_rounding and param.dtype == torch.bfloat16)
-    )
+@triton.jit
+def _finish_kernel(part_ptr, row_v_ptr, col_v_ptr, row_m_ptr, col_m_ptr, n, m, n_tiles, n_bands,
+                   BLOCK: tl.constexpr):
+    """Program 0 finishes V, program 1 M: row factor = Σ over tiles, column factor = Σ over bands
+    / total (0 total → divide by 1, as ``nnmf_from_sums``). Fixed summation order."""
+    moment = tl.program_id(0)
+    rows_part = part_ptr + moment * n_tiles * n
+    cols_part = part_ptr + 2 * n_tiles * n + moment * n_bands * m
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r0 in range(0, n, BLOCK):
+        idx = r0 + tl.arange(0, BLOCK)
+        ok = idx < n
+        s = tl.zeros((BLOCK,), dtype=tl.float32)
+        for t in range(n_tiles):
+            s += tl.load(rows_part + t * n + idx, mask=ok, other=0.0)
+        if moment == 0:
+            tl.store(row_v_ptr + idx, s, mask=ok)
+        else:
+            tl.store(row_m_ptr + idx, s, mask=ok)
+        total += s
+    grand = tl.sum(total, axis=0)
+    grand = tl.where(grand > 0, grand, 1.0)
+    for c0 in range(0, m, BLOCK):
+        idx = c0 + tl.arange(0, BLOCK)
+        ok = idx < m
+        s = tl.zeros((BLOCK,), dtype=tl.float32)
+        for b in range(n_bands):
+            s += tl.load(cols_part + b * m + idx, mask=ok, other=0.0)
+        if moment == 0:
+            tl.store(col_v_ptr + idx, s / grand, mask=ok)
+        else:
+            tl.store(col_m_ptr + idx, s / grand, mask=ok)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Launch geometry of one n×m matrix."""
+
+    block_rows: int
+    block_cols: int
+    warps: int
+    band_rows: int
+    bands: int
+    tiles: int
+    partial_numel: int  # fp32 elements of the partial-sum buffer
+
+
+# (block_rows, block_cols, warps) by matrix width; the battery (benchmarks/gpu_battery.sh) sweeps
+# alternatives. Tiles of 4096 elements keep enough bytes in flight per SM to be bandwidth-bound.
+TILE_TABLE = {32: (128, 32, 4), 64: (64, 64, 4), 128: (32, 128, 8)}
+# Programs per SM to aim for, and the fewest rows per band (bounds the column partials to
+# 2·bands·m ≤ 2n·m/MIN_BAND_ROWS floats, ~2% of the parameter's fp32 bytes).
+PROGRAMS_PER_SM = 4
+MIN_BAND_ROWS = 96
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(n: int, m: int, sms: int) -> _Plan:
+    width = min(max(triton.next_power_of_2(m), 32), 128)
+    block_rows, block_cols, warps = TILE_TABLE[width]
+    tiles = triton.cdiv(m, block_cols)
+    max_bands = max(1, min(triton.cdiv(n, block_rows), n // MIN_BAND_ROWS))
+    bands = max(1, min(max_bands, triton.cdiv(PROGRAMS_PER_SM * sms, tiles)))
+    band_rows = triton.cdiv(triton.cdiv(n, bands), block_rows) * block_rows
+    bands = triton.cdiv(n, band_rows)
+    return _Plan(block_rows, block_cols, warps, band_rows, bands, tiles, 2 * tiles * n + 2 * bands * m)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's CPU interpreter
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> None:
     """The fused step: same contract as :func:`smmf.functional.torch_step_`."""
-    if not covers(param, cfg):
-        torch_step_(param, grad, state, cfg)
-        return
     rows, cols = matrix_shape(param)
+    if rows == 0:
+        return
+    weight = real_view(param.detach())
+    if not weight.is_contiguous():  # logical row-major order: strided params go through one copy
+        weight = weight.contiguous()
+    g = real_view(grad)
+    if g.dtype != weight.dtype:
+        g = g.to(weight.dtype)
+    g = g.contiguous()
+    device = weight.device
+    plan = _plan(rows, cols, _sm_count(device))
     has_m = cfg.beta1 is not None
-    weight = param.detach()
-    grad = grad.to(param.dtype).contiguous()
-    acc_v = torch.zeros(cols, dtype=torch.float32, device=param.device)
-    acc_m = torch.zeros(cols if has_m else 1, dtype=torch.float32, device=param.device)
-    dummy = acc_m  # never read when HAS_M is false
+    aligned = cols % 8 == 0
+    partial = torch.empty(plan.partial_numel, dtype=torch.float32, device=device)
+    words = partial if aligned or not has_m else torch.zeros(rows * cols // 32 + 2, dtype=torch.int32, device=device)
     decoupled = cfg.decoupled_weight_decay
-    _smmf_kernel[(triton.cdiv(rows, _BLOCK_ROWS),)](
-        weight, grad,
-        state[SIGN_M] if has_m else dummy,
-        state[ROW_M] if has_m else dummy,
-        state[COL_M] if has_m else dummy,
-        state[ROW_V], state[COL_V], acc_m, acc_v,
-        rows, cols, cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
+    stochastic = cfg.stochastic_rounding and weight.dtype == torch.bfloat16
+    row_v, col_v = state[ROW_V], state[COL_V]
+    row_m, col_m, signs = (state[ROW_M], state[COL_M], state[SIGN_M]) if has_m else (row_v, col_v, words)
+    _step_kernel[(plan.bands, plan.tiles)](
+        weight, g, signs, words, row_m, col_m, row_v, col_v, partial,
+        rows, cols, plan.band_rows, cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
         -1.0 if cfg.maximize else 1.0,
         1.0 - cfg.lr * cfg.weight_decay if decoupled else 1.0,
         0.0 if decoupled else cfg.weight_decay,
-        HAS_M=has_m, BR=_BLOCK_ROWS, BC=_BLOCK_COLS,
+        int(torch.randint(0, 2**31 - 1, ()).item()) if stochastic else 0,
+        HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic,
+        BR=plan.block_rows, BC=plan.block_cols, num_warps=plan.warps,
     )
-    for row_key, col_key, acc in ((ROW_V, COL_V, acc_v), (ROW_M, COL_M, acc_m)):
-        if row_key == ROW_M and not has_m:
-            continue
-        _, normalized = nnmf_from_sums(state[row_key], acc)
-        state[col_key].copy_(normalized)
+    _finish_kernel[(2 if has_m else 1,)](
+        partial, row_v, col_v, row_m, col_m, rows, cols, plan.tiles, plan.bands, BLOCK=1024, num_warps=4,
+    )
+    if has_m and not aligned:
+        signs.copy_(words.view(torch.uint8)[: signs.numel()])
+    if weight.data_ptr() != real_view(param.detach()).data_ptr():
+        real_view(param.detach()).copy_(weight)
