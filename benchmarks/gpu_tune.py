@@ -23,21 +23,24 @@ from smmf.bench.step_time import SHAPE_SETS, _timed
 from smmf.kernels import triton_gpu
 from smmf.matrix import square_matricize_shape
 
+DEFAULT = dict(BLOCK_ROWS=triton_gpu.BLOCK_ROWS, BLOCK_COLS=triton_gpu.BLOCK_COLS, WARPS=triton_gpu.WARPS,
+               BAND_ROWS=triton_gpu.BAND_ROWS)
 CANDIDATES: dict[str, dict[str, Any]] = {
     "default": {},
-    "BR16-BC128-w4": {"table": {128: (16, 128, 4)}},
-    "BR64-BC128-w8": {"table": {128: (64, 128, 8)}},
-    "BR8-BC256-w4": {"table": {128: (8, 256, 4)}},
-    "BR16-BC256-w8": {"table": {128: (16, 256, 8)}},
-    "2 programs/SM": {"programs_per_sm": 2},
-    "8 programs/SM": {"programs_per_sm": 8},
+    "BR16-BC128-w4": dict(BLOCK_ROWS=16, BLOCK_COLS=128, WARPS=4),
+    "BR32-BC128-w4": dict(BLOCK_ROWS=32, BLOCK_COLS=128, WARPS=4),
+    "BR16-BC256-w8": dict(BLOCK_ROWS=16, BLOCK_COLS=256, WARPS=8),
+    "BR8-BC512-w8": dict(BLOCK_ROWS=8, BLOCK_COLS=512, WARPS=8),
+    "BR16-BC512-w8": dict(BLOCK_ROWS=16, BLOCK_COLS=512, WARPS=8),
+    "band 128 rows": dict(BAND_ROWS=128),
+    "band 1024 rows": dict(BAND_ROWS=1024),
 }
 
 
 def _configure(candidate: dict[str, Any]) -> None:
-    triton_gpu.TILE_TABLE.update(candidate.get("table", {}))
-    triton_gpu.PROGRAMS_PER_SM = candidate.get("programs_per_sm", 4)
-    triton_gpu._plan.cache_clear()
+    for name, value in (DEFAULT | candidate).items():
+        setattr(triton_gpu, name, value)
+    triton_gpu._layout.cache_clear()
 
 
 def median_step(opt: torch.optim.Optimizer, repeats: int) -> float:
@@ -52,14 +55,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--atomic", help="an earlier kernel module with triton_step_, timed for comparison")
     args = parser.parse_args()
-    default_table = dict(triton_gpu.TILE_TABLE)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "ms": {}}
     for set_name in args.sets.split(","):
         params = make_params(SHAPE_SETS[set_name](), device="cuda")
         row: dict[str, float] = {}
         for name, candidate in CANDIDATES.items():
-            triton_gpu.TILE_TABLE.clear()
-            triton_gpu.TILE_TABLE.update(default_table)
             _configure(candidate)
             row[name] = 1e3 * median_step(SMMF(params, backend="triton"), args.repeats)
         _configure({})
@@ -70,13 +70,16 @@ def main() -> None:
             module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
             spec.loader.exec_module(module)  # type: ignore[union-attr]
             opt = SMMF(covered, backend="triton")
-            row["deterministic, covered tensors"] = 1e3 * median_step(opt, args.repeats)
-            original = optimizer_module.step_kernel
-            optimizer_module.step_kernel = lambda backend, p, st: module.triton_step_  # type: ignore[assignment]
-            try:
-                row["atomic (old), covered tensors"] = 1e3 * median_step(SMMF(covered, backend="triton"), args.repeats)
-            finally:
-                optimizer_module.step_kernel = original
+            row["deterministic, batched, covered tensors"] = 1e3 * median_step(opt, args.repeats)
+            one_at_a_time = lambda p, g, st, cfg: triton_gpu.triton_step_(p, g, st, cfg)  # noqa: E731 (no .batched)
+            for name, kernel in [("deterministic, one launch per tensor", one_at_a_time),
+                                 ("atomic (old), one launch per tensor", module.triton_step_)]:
+                original = optimizer_module.step_kernel
+                optimizer_module.step_kernel = lambda backend, p, st, k=kernel: k  # type: ignore[misc]
+                try:
+                    row[name + ", covered tensors"] = 1e3 * median_step(SMMF(covered, backend="triton"), args.repeats)
+                finally:
+                    optimizer_module.step_kernel = original
         results["ms"][set_name] = row
         del params
         torch.cuda.empty_cache()

@@ -146,3 +146,14 @@ def test_bf16_stochastic_rounding_keeps_updates_below_half_an_ulp() -> None:
 
     assert run(stochastic=False) == 0.0
     assert run(stochastic=True) == pytest.approx(32 * 2**-10, rel=0.1)
+
+
+def test_measured_cuda_state_matches_the_prediction() -> None:
+    """`smmf memory --measure cuda` on one of the paper's rows: SMMF within 1% of the 512-B prediction."""
+    from smmf.bench.paper_memory import PAPER_TABLES, measure_row
+
+    table = next(t for t in PAPER_TABLES if t.title == "Fine-tuning")
+    row = next(r for r in table.rows if r.spec.name == "ALBERT-base-v2")
+    entries = {e["optimizer"]: e for e in measure_row(row, table.unit, "cuda")}
+    assert abs(entries["smmf"]["measured_vs_ours_pct"]) < 1.0
+    assert abs(entries["adam"]["measured_vs_ours_pct"]) < 1.0

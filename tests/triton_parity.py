@@ -66,9 +66,45 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
     return worst
 
 
+def run_batched(device: str) -> None:
+    """All shapes (and two large ones: several bands and tiles, aligned and not) in one launch,
+    mixed dtypes and a param one step behind: each equals its own torch-path step."""
+    from smmf.kernels.triton_gpu import triton_steps_
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = SHAPES + [(875, 800), (1001, 999)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    params = [torch.randn(s, generator=gen).to(device, dtypes[i % 3]) for i, s in enumerate(shapes)]
+    states = [init_state(p, {"beta": 0.9, "vector_reshape": True}) for p in params]
+    for step in range(1, 4):
+        items, expected = [], []
+        for i, (p, st) in enumerate(zip(params, states)):
+            own_step = max(1, step - (i % 2))  # half the params lag a step: two configs per launch
+            cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, own_step), beta2=beta2_at(-0.8, own_step), eps=1e-8,
+                             weight_decay=0.01, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False)
+            g = torch.randn(p.shape, generator=gen).to(device, p.dtype)
+            ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            torch_step_(ref_p, g, ref_st, cfg)
+            expected.append((ref_p, ref_st))
+            items.append((p, g, st, cfg))
+        triton_steps_(items)
+        for (p, _, st, _), (ref_p, ref_st) in zip(items, expected):
+            tol = 1e-5 if p.dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(p.float(), ref_p.float(), rtol=tol, atol=tol)
+            for key in ("row_m", "col_m", "row_v", "col_v"):
+                scale = ref_st[key].abs().max().item()
+                torch.testing.assert_close(st[key], ref_st[key], rtol=1e-5, atol=1e-5 * scale)
+            flips = (st["sign_m"] != ref_st["sign_m"]).sum().item()
+            assert flips <= max(1, 1e-3 * st["sign_m"].numel()), flips
+            st.update({k: v for k, v in ref_st.items()})  # continue from identical inputs
+            p.copy_(ref_p)
+    print(f"{device} batched launch of {len(shapes)} tensors: OK")
+
+
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
+    run_batched(device)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:
         for beta, maximize, wd, decoupled in [(0.9, False, 0.0, True), (0.9, True, 0.1, True),
                                               (None, False, 0.01, False), (0.9, False, 0.01, False)]:

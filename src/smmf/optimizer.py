@@ -108,8 +108,10 @@ class SMMF(Optimizer):
         maximize: maximize the objective instead of minimizing it (default: False).
         stochastic_rounding: round bf16 parameters stochastically when writing the update
             back; the numba kernel draws from numba's generator, not torch's (default: False).
-        backend: ``"auto"`` (the numba kernel for CPU params when installed, else torch),
-            ``"torch"``, ``"numba"`` or ``"triton"`` (CUDA, opt-in) (default: ``"auto"``).
+        backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
+            params, each when installed; the torch path for what they do not cover: dense 1-D
+            state, fp64 on CUDA, fp16 and complex on CPU, DTensor shards), or one of ``"torch"``,
+            ``"numba"``, ``"triton"``, which raises for a param it cannot take (default: ``"auto"``).
 
     .. note::
         The sign matrix is stored 8 signs per byte (uint8), as the paper counts it; the
@@ -195,10 +197,21 @@ class SMMF(Optimizer):
                     raise RuntimeError("SMMF does not support sparse gradients")
                 state = self.state.get(param) or init_state(param, group)
                 work.append((group, param, state, step_kernel(group["backend"], param, state)))
+        # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
+        batches: dict[Callable[..., None], list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
+        configs: dict[tuple[int, int], StepConfig] = {}
         for group, param, state, kernel in work:
             self.state[param] = state
             state[STEP] += 1
-            kernel(param, param.grad, state, self._step_config(group, state[STEP]))
+            key = (id(group), state[STEP])
+            cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP]))
+            batched = getattr(kernel, "batched", None)
+            if batched is None:
+                kernel(param, param.grad, state, cfg)
+            else:
+                batches.setdefault(batched, []).append((param, param.grad, state, cfg))
+        for batched, items in batches.items():
+            batched(items)
         return loss
 
     @staticmethod

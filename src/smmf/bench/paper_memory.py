@@ -102,6 +102,7 @@ def measure_row(row: PaperRow, unit: str, device: Optional[str] = None) -> list[
             same_when_printed=_printed_like(allocated, paper),
         )
         if optimizer in measured:
+            entry["measured_on"] = torch.cuda.get_device_name(device)
             entry["measured"] = measured[optimizer] / UNITS[unit]
             entry["measured_vs_ours_pct"] = 100.0 * (entry["measured"] - allocated) / allocated
         out.append(entry)
@@ -116,7 +117,12 @@ def measured_state_bytes(build: Callable[[], nn.Module], device: str) -> dict[st
     out = {}
     for name, factory in factories.items():
         model = build().to_empty(device=device)  # uninitialized; only the trainable params get values
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # to_empty unties shared params (e.g. GPT-2's embedding and head)
         trainable = [p for p in model.parameters() if p.requires_grad]
+        expected = sum(p.numel() for p in build().parameters() if p.requires_grad)
+        if sum(p.numel() for p in trainable) != expected:
+            raise RuntimeError(f"the model built on {device} has other trainable params than its meta twin")
         with torch.no_grad():
             for p in trainable:
                 p.normal_(0.0, 0.02)
@@ -157,15 +163,15 @@ def run(
 def format_results(results: list[tuple[PaperTable, list[dict[str, Any]]]], fmt: str) -> str:
     if fmt == "json":
         return json.dumps([{"table": t.title, "unit": t.unit, "rows": rows, "missing": t.missing} for t, rows in results], indent=2)
-    measured = any("measured" in r for _, rows in results for r in rows)
+    measured_on = {r["measured_on"] for _, rows in results for r in rows if "measured" in r}
     headers = ["model", "params", "optimizer", "ours", "ours exact", "paper", "diff %", "prints as paper"]
-    if measured:
-        headers += [f"measured ({torch.cuda.get_device_name()})", "measured vs ours %"]
+    if measured_on:
+        headers += [f"measured ({', '.join(sorted(measured_on))})", "measured vs ours %"]
     parts = []
     for table, rows in results:
         body = [[r["model"], f"{r['params'] / 1e6:.1f}M", r["optimizer"], r["ours_allocated"], r["ours_exact"],
                  r["paper"], f"{r['diff_pct']:+.1f}", "yes" if r["same_when_printed"] else "no"] for r in rows]
-        if measured:
+        if measured_on:
             for line, r in zip(body, rows):
                 line += [r.get("measured"), f"{r['measured_vs_ours_pct']:+.2f}" if "measured" in r else None]
         text = format_table(headers, body, fmt)

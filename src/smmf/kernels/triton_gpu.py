@@ -1,33 +1,38 @@
-"""Fused SMMF step on CUDA (Triton): the contract of the numba kernel, on GPU tiles.
+"""Fused SMMF step on CUDA (Triton): the contract of the numba kernel, on GPU tiles, many tensors
+per launch.
 
-Contract (same as :func:`smmf.functional.torch_step_`): ``param`` (fp32, bf16, fp16, or complex
-with such a real view) is updated in place from ``grad``; its state — ``row_m``/``col_m``/``row_v``/
-``col_v`` fp32 factors of the n̂×m̂ square-matricized view and ``sign_m``, the packed sign bits laid
-out as :func:`smmf.matrix.pack_signs` specifies — is rewritten in place. ``state['step']`` is
-already advanced. Nothing of the parameter's size is allocated but the sign scratch below.
+Contract (same as :func:`smmf.functional.torch_step_`): each ``param`` (fp32, bf16, fp16, or
+complex with such a real view) is updated in place from its ``grad``; its state — ``row_m``/
+``col_m``/``row_v``/``col_v``, the fp32 factors of the n̂×m̂ square-matricized view, and ``sign_m``,
+the packed sign bits laid out as :func:`smmf.matrix.pack_signs` specifies — is rewritten in place.
+``state['step']`` is already advanced. :func:`triton_steps_` takes a whole list of such tensors:
+an optimizer step is three launches whatever the number of tensors, as fused AdamW is one.
 
-Two launches per tensor, both deterministic (no floating-point atomics, so a resumed run is
-bit-identical to an uninterrupted one):
+The launches, all deterministic (no floating-point atomics: a resumed run is bit-identical to an
+uninterrupted one):
 
-1. ``_step_kernel``, grid (bands, column tiles). A program walks its band of rows in tiles of
-   ``BR × BC``: it reads the gradient, the weight and the sign bits once, rebuilds M̂ and V̂ from the
-   factors, writes the weight and the new sign bits, and writes its partial sums of |M| and V —
-   per row of each tile (one slot per column tile) and per column of its band (one slot per band)
-   — into a small fp32 buffer (~2/BC + 2·bands/n̂ of the parameter's fp32 bytes).
-2. ``_finish_kernel``, one program per moment: sums the partials in a fixed order, writes the row
-   factors and the column factors normalized by the total (``smmf.matrix.nnmf_from_sums``).
+1. ``_step_kernel``: one program per work item, a (tensor, band of rows, column tile) triple. It
+   walks its band in ``BR × BC`` tiles: reads the gradient, the weight and the sign bits once,
+   rebuilds M̂ and V̂ from the factors, writes the weight and the new sign bits, and writes partial
+   sums of |M| and V — per row of each tile (one slot per column tile) and per column of its band
+   (one slot per band) — into an fp32 buffer of ~2/BC + 2/BAND_ROWS of the parameters' elements.
+2. ``_finish_kernel``: per tensor and moment, sums the partials in a fixed order and writes the row
+   factors and the column factors divided by the total (``smmf.matrix.nnmf_from_sums``).
 
 Sign bits: when m̂ is a multiple of 8 every row is whole sign bytes and a tile reads and writes its
 own bytes. Otherwise a byte can straddle two tiles; the kernel then ORs the new bits, 32 at a time,
-into a zeroed int32 scratch (atomic OR is order-independent, so still deterministic) that is
-copied over the state afterwards: N/8 extra bytes for those tensors only.
+into a zeroed int32 scratch (OR commutes, so this stays deterministic), which the finish kernel
+copies over the state: N/8 extra bytes for those tensors only.
+
+Each tensor is described by one row of an int64 table (see ``_META``): its addresses, its shape
+and where its partial sums and scratch start. The scalars of a launch (lr, β1_t, β2_t, …) are
+arguments, so tensors whose step configuration differs go to separate launches.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import triton
@@ -37,213 +42,273 @@ from torch import Tensor
 from ..functional import StepConfig
 from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape, real_view
 
-__all__ = ["triton_step_"]
+__all__ = ["triton_step_", "triton_steps_"]
+
+# Columns of the per-tensor table: 7 addresses, then the geometry.
+_W, _G, _SIGNS, _ROW_M, _COL_M, _ROW_V, _COL_V = range(7)
+_N, _M, _TILES, _BANDS, _FIRST_ITEM, _PARTIAL_AT, _WORDS_AT = range(7, 14)
+_META = 14
+
+# Tile shape and rows per work item. A tile of 4096 elements keeps enough bytes in flight per SM
+# to be bandwidth-bound; BLOCK_COLS is a multiple of 32 (the unaligned sign path packs 32 bits at a
+# time). benchmarks/gpu_tune.py sweeps alternatives.
+BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 8
+BAND_ROWS = 256
+COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
 
 
 @triton.jit
-def _step_kernel(w_ptr, g_ptr, signs_ptr, words_ptr, row_m_ptr, col_m_ptr, row_v_ptr, col_v_ptr, part_ptr,
-                 n, m, band_rows, lr, beta1, beta2, eps, gsign, shrink, l2, seed,
-                 HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 BR: tl.constexpr, BC: tl.constexpr):
-    """Arguments: ``w``/``g`` the weight and gradient (n·m elements, row-major, param dtype);
-    ``signs`` uint8 packed sign bits; ``words`` a zeroed int32 scratch for the new bits (used when
-    not ``ALIGNED``); the four fp32 factor vectors (read only here); ``part`` the fp32 partial sums,
-    laid out [V rows: tiles×n][M rows: tiles×n][V cols: bands×m][M cols: bands×m]. Scalars:
-    ``gsign`` −1 to maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the coupled
-    decay coefficient, ``seed`` for stochastic rounding. ``BC`` is a multiple of 32."""
-    band = tl.program_id(0)
-    tile = tl.program_id(1)
-    n_tiles = tl.num_programs(1)
-    cols = tile * BC + tl.arange(0, BC)
-    col_ok = cols < m
+def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, lr, beta1, beta2, eps, gsign, shrink, l2, seed,
+                 W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
+                 BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
+    """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
+    laid out per tensor as [V rows: tiles×n][M rows: tiles×n][V cols: bands×m][M cols: bands×m];
+    ``words`` is the zeroed int32 sign scratch of the unaligned tensors. Scalars: ``gsign`` −1 to
+    maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the coupled decay coefficient,
+    ``seed`` for bf16 stochastic rounding. A tile is held as (BR, BC/8, 8): the last axis is one sign
+    byte, so bits unpack and pack without reshaping. ``ALIGNED``: every tensor's m is a multiple of 8."""
+    BB: tl.constexpr = BC // 8
+    item = tl.program_id(0)
+    t = tl.load(item_tensor_ptr + item)
+    row = meta_ptr + t.to(tl.int64) * 14
+    n = tl.load(row + 7)
+    m = tl.load(row + 8)
+    tiles = tl.load(row + 9)
+    bands = tl.load(row + 10)
+    local = item - tl.load(row + 11)
+    band = local // tiles
+    tile = local % tiles
+    w_ptr = tl.load(row + 0).to(tl.pointer_type(W_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(W_DTYPE))
+    row_v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    col_v_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    part = partial_ptr + tl.load(row + 12)
+    m32 = m.to(tl.int32)
+    r_idx = tl.arange(0, BR)[:, None, None]
+    bit = tl.arange(0, 8)[None, None, :]
+    cols = (tile * BC).to(tl.int32) + tl.arange(0, BB)[None, :, None] * 8 + bit  # (1, BB, 8)
+    col_ok = cols < m32
     cv = tl.load(col_v_ptr + cols, mask=col_ok, other=0.0)
     if HAS_M:
+        signs_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+        row_m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        col_m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        words = words_ptr + tl.load(row + 13)
         cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
-    col_sum_v = tl.zeros((BC,), dtype=tl.float32)
-    col_sum_m = tl.zeros((BC,), dtype=tl.float32)
-    row_part_v = part_ptr + tile * n
-    row_part_m = part_ptr + (n_tiles + tile) * n
-    first_row = band * band_rows
-    last_row = tl.minimum(first_row + band_rows, n)
+    acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
+    acc_m = tl.zeros((BR, BB, 8), dtype=tl.float32)
+    first_row = band * BAND
+    last_row = tl.minimum(first_row + BAND, n)
     for r0 in range(first_row, last_row, BR):
         rows = r0 + tl.arange(0, BR)
         row_ok = rows < last_row
-        ok = row_ok[:, None] & col_ok[None, :]
-        offs = rows.to(tl.int64)[:, None] * m + cols[None, :]
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) * shrink
-        g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32) * gsign + l2 * w
-        rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)
-        v = beta2 * (rv[:, None] * cv[None, :]) + (1.0 - beta2) * (g * g)
+        ok = row_ok[:, None, None] & col_ok
+        base = r0 * m  # int64: the tile's first element; offsets within the tile fit in int32
+        offs = r_idx * m32 + cols
+        w = tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink
+        g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign + l2 * w
+        rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
+        v = beta2 * (rv * cv) + (1.0 - beta2) * (g * g)
         v = tl.where(ok, v, 0.0)
-        tl.store(row_part_v + rows, tl.sum(v, axis=1), mask=row_ok)
-        col_sum_v += tl.sum(v, axis=0)
+        tl.store(part + tile * n + rows, tl.sum(tl.sum(v, axis=2), axis=1), mask=row_ok)
+        acc_v += v
         if HAS_M:
-            if ALIGNED:  # a tile's row segment is whole bytes: read and write them in place
-                byte_cols = tile * (BC // 8) + tl.arange(0, BC // 8)
-                byte_offs = rows.to(tl.int64)[:, None] * (m // 8) + byte_cols[None, :]
-                byte_ok = row_ok[:, None] & (byte_cols < m // 8)[None, :]
+            if ALIGNED:  # a tile's row segment is whole bytes, one per (row, byte) of the tile
+                byte_offs = base // 8 + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
+                byte_ok = row_ok[:, None, None] & (tl.arange(0, BB)[None, :, None] * 8 + (tile * BC).to(tl.int32) < m32)
                 old = tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0)
-                shifts8 = tl.arange(0, 8).to(tl.uint8)
-                bits = tl.reshape((old[:, :, None] >> shifts8[None, None, :]) & 1, (BR, BC))
+                bits = (old >> bit.to(tl.uint8)) & 1
             else:
-                bits = (tl.load(signs_ptr + (offs >> 3), mask=ok, other=0) >> (offs & 7).to(tl.uint8)) & 1
-            rm = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)
+                k = base + offs
+                bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+            rm = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
             sign = bits.to(tl.float32) * 2.0 - 1.0
-            mm = beta1 * (rm[:, None] * cm[None, :] * sign) + (1.0 - beta1) * g
+            mm = beta1 * (rm * cm * sign) + (1.0 - beta1) * g
             mm = tl.where(ok, mm, 0.0)
-            nonneg = (mm >= 0) & ok
+            nonneg = ((mm >= 0) & ok).to(tl.int32)
             if ALIGNED:
-                byte_bits = tl.reshape(nonneg.to(tl.int32), (BR, BC // 8, 8)) << shifts8.to(tl.int32)[None, None, :]
-                tl.store(signs_ptr + byte_offs, tl.sum(byte_bits, axis=2).to(tl.uint8), mask=byte_ok)
+                packed = tl.sum(nonneg << bit, axis=2, keep_dims=True)
+                tl.store(signs_ptr + byte_offs, packed.to(tl.uint8), mask=byte_ok)
             else:
-                # Bits of row i, columns [c, c + 32) land at global bits base + [0, 32), i.e. in two
-                # int32 words: OR each word's share in (atomic OR commutes: deterministic).
-                base = rows.to(tl.int64) * m + tile * BC
-                off = (base & 31).to(tl.int32)
-                t = tl.arange(0, 32)
-                lane = t[None, None, :] + off[:, None, None]
-                shifted = tl.reshape(nonneg.to(tl.int64), (BR, BC // 32, 32)) << (lane & 31).to(tl.int64)
+                # Bits of row i, columns [c, c + 32) land at global bits start + [0, 32), i.e. in two
+                # int32 words: OR each word's share in.
+                start = rows.to(tl.int64) * m + tile * BC
+                off = (start & 31).to(tl.int32)
+                lane = tl.arange(0, 32)[None, None, :] + off[:, None, None]
+                shifted = tl.reshape(nonneg, (BR, BC // 32, 32)).to(tl.int64) << (lane & 31).to(tl.int64)
                 lo = tl.sum(tl.where(lane < 32, shifted, 0), axis=2).to(tl.int32)
                 hi = tl.sum(tl.where(lane >= 32, shifted, 0), axis=2).to(tl.int32)
-                word = (base >> 5)[:, None] + tl.arange(0, BC // 32)[None, :]
+                word = (start >> 5)[:, None] + tl.arange(0, BC // 32)[None, :]
                 group_ok = row_ok[:, None] & (tile * BC + tl.arange(0, BC // 32)[None, :] * 32 < m)
-                tl.atomic_or(words_ptr + word, lo, mask=group_ok & (lo != 0))
-                tl.atomic_or(words_ptr + word + 1, hi, mask=group_ok & (hi != 0))
+                tl.atomic_or(words + word, lo, mask=group_ok & (lo != 0))
+                tl.atomic_or(words + word + 1, hi, mask=group_ok & (hi != 0))
             a = tl.abs(mm)
-            tl.store(row_part_m + rows, tl.sum(a, axis=1), mask=row_ok)
-            col_sum_m += tl.sum(a, axis=0)
+            tl.store(part + (tiles + tile) * n + rows, tl.sum(tl.sum(a, axis=2), axis=1), mask=row_ok)
+            acc_m += a
             u = mm / (tl.sqrt(v) + eps)
         else:
             u = g / (tl.sqrt(v) + eps)
         new_w = w - lr * u
-        if w_ptr.dtype.element_ty == tl.bfloat16:
+        if W_DTYPE == tl.bfloat16:
             # Round to bf16 in the bits (the same on every Triton target): add noise below the
             # kept 16 bits (stochastic) or half an ulp to even (nearest), then truncate; NaN stays NaN.
-            bits = new_w.to(tl.uint32, bitcast=True)
+            ubits = new_w.to(tl.uint32, bitcast=True)
             if STOCHASTIC:
-                bits += (tl.randint(seed, offs.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+                ubits += (tl.randint(seed + t, (base + offs).to(tl.uint32)) & 0xFFFF).to(tl.uint32)
             else:
-                bits += 0x7FFF + ((bits >> 16) & 1)
-            rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+                ubits += 0x7FFF + ((ubits >> 16) & 1)
+            rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
             new_w = tl.where(new_w != new_w, new_w, rounded)
-        tl.store(w_ptr + offs, new_w.to(w_ptr.dtype.element_ty), mask=ok)
-    col_part = part_ptr + 2 * n_tiles * n + band * m
-    tl.store(col_part + cols, col_sum_v, mask=col_ok)
+        tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
+    col_part = part + 2 * tiles * n + band * m
+    tl.store(col_part + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
     if HAS_M:
-        tl.store(col_part + tl.num_programs(0) * m + cols, col_sum_m, mask=col_ok)
+        tl.store(col_part + bands * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
 
 
 @triton.jit
-def _finish_kernel(part_ptr, row_v_ptr, col_v_ptr, row_m_ptr, col_m_ptr, n, m, n_tiles, n_bands,
-                   BLOCK: tl.constexpr):
-    """Program 0 finishes V, program 1 M: row factor = Σ over tiles, column factor = Σ over bands
-    / total (0 total → divide by 1, as ``nnmf_from_sums``). Fixed summation order."""
-    moment = tl.program_id(0)
-    rows_part = part_ptr + moment * n_tiles * n
-    cols_part = part_ptr + 2 * n_tiles * n + moment * n_bands * m
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for r0 in range(0, n, BLOCK):
-        idx = r0 + tl.arange(0, BLOCK)
-        ok = idx < n
-        s = tl.zeros((BLOCK,), dtype=tl.float32)
-        for t in range(n_tiles):
-            s += tl.load(rows_part + t * n + idx, mask=ok, other=0.0)
-        if moment == 0:
-            tl.store(row_v_ptr + idx, s, mask=ok)
-        else:
-            tl.store(row_m_ptr + idx, s, mask=ok)
-        total += s
-    grand = tl.sum(total, axis=0)
-    grand = tl.where(grand > 0, grand, 1.0)
-    for c0 in range(0, m, BLOCK):
-        idx = c0 + tl.arange(0, BLOCK)
-        ok = idx < m
-        s = tl.zeros((BLOCK,), dtype=tl.float32)
-        for b in range(n_bands):
-            s += tl.load(cols_part + b * m + idx, mask=ok, other=0.0)
-        if moment == 0:
-            tl.store(col_v_ptr + idx, s / grand, mask=ok)
-        else:
-            tl.store(col_m_ptr + idx, s / grand, mask=ok)
+def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.constexpr,
+                   COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr):
+    """Program (t, 0) finishes tensor t's V, (t, 1) its M: row factor = Σ over tiles, column factor
+    = Σ over bands / total (0 total → divide by 1, as ``nnmf_from_sums``), in a fixed order, KB
+    partials at a time. Programs (t, 2 …) copy an unaligned tensor's sign scratch over its bytes."""
+    t = tl.program_id(0)
+    moment = tl.program_id(1)
+    row = meta_ptr + t.to(tl.int64) * 14
+    n = tl.load(row + 7)
+    m = tl.load(row + 8)
+    tiles = tl.load(row + 9)
+    bands = tl.load(row + 10)
+    kk = tl.arange(0, KB)[:, None]
+    if moment < 2:
+        rows_out = tl.load(row + 5 - 2 * moment).to(tl.pointer_type(tl.float32))  # row_v, or row_m
+        cols_out = tl.load(row + 6 - 2 * moment).to(tl.pointer_type(tl.float32))  # col_v, or col_m
+        rows_part = partial_ptr + tl.load(row + 12) + moment * tiles * n
+        cols_part = partial_ptr + tl.load(row + 12) + 2 * tiles * n + moment * bands * m
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r0 in range(0, n, BLOCK):
+            idx = r0 + tl.arange(0, BLOCK)[None, :]
+            s = tl.zeros((KB, BLOCK), dtype=tl.float32)
+            for k0 in range(0, tiles, KB):
+                s += tl.load(rows_part + (k0 + kk) * n + idx, mask=(idx < n) & (k0 + kk < tiles), other=0.0)
+            row_sum = tl.sum(s, axis=0)
+            tl.store(rows_out + r0 + tl.arange(0, BLOCK), row_sum, mask=r0 + tl.arange(0, BLOCK) < n)
+            total += row_sum
+        grand = tl.sum(total, axis=0)
+        grand = tl.where(grand > 0, grand, 1.0)
+        for c0 in range(0, m, BLOCK):
+            idx = c0 + tl.arange(0, BLOCK)[None, :]
+            s = tl.zeros((KB, BLOCK), dtype=tl.float32)
+            for b0 in range(0, bands, KB):
+                s += tl.load(cols_part + (b0 + kk) * m + idx, mask=(idx < m) & (b0 + kk < bands), other=0.0)
+            tl.store(cols_out + c0 + tl.arange(0, BLOCK), tl.sum(s, axis=0) / grand, mask=c0 + tl.arange(0, BLOCK) < m)
+    elif m % 8 != 0:
+        signs = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+        scratch = (words_ptr + tl.load(row + 13)).to(tl.pointer_type(tl.uint8), bitcast=True)
+        nbytes = (n * m + 7) // 8
+        for b0 in range((moment - 2) * COPY_BLOCK, nbytes, COPIERS * COPY_BLOCK):
+            idx = b0 + tl.arange(0, COPY_BLOCK)
+            tl.store(signs + idx, tl.load(scratch + idx, mask=idx < nbytes), mask=idx < nbytes)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """Launch geometry of one n×m matrix."""
-
-    block_rows: int
-    block_cols: int
-    warps: int
-    band_rows: int
-    bands: int
-    tiles: int
-    partial_numel: int  # fp32 elements of the partial-sum buffer
-
-
-# (block_rows, block_cols, warps) by matrix width; the battery (benchmarks/gpu_battery.sh) sweeps
-# alternatives. Tiles of 4096 elements keep enough bytes in flight per SM to be bandwidth-bound.
-TILE_TABLE = {32: (128, 32, 4), 64: (64, 64, 4), 128: (32, 128, 8)}
-# Programs per SM to aim for, and the fewest rows per band (bounds the column partials to
-# 2·bands·m ≤ 2n·m/MIN_BAND_ROWS floats, ~2% of the parameter's fp32 bytes).
-PROGRAMS_PER_SM = 4
-MIN_BAND_ROWS = 96
+@functools.lru_cache(maxsize=256)
+def _layout(shapes: tuple[tuple[int, int], ...], has_m: bool, device: torch.device) -> tuple[list[list[int]], Tensor, int, int]:
+    """Geometry of one launch, cached by its tensors' matrix shapes: each tensor's columns of the
+    table from ``_N`` on, the work items' tensor indices (on ``device``), and the sizes of the
+    partial-sum buffer and of the sign scratch."""
+    geometry, counts = [], []
+    first_item = partial_at = words_at = 0
+    for n, m in shapes:
+        tiles, bands = triton.cdiv(m, BLOCK_COLS), triton.cdiv(n, BAND_ROWS)
+        geometry.append([n, m, tiles, bands, first_item, partial_at, words_at])
+        counts.append(tiles * bands)
+        first_item += tiles * bands
+        partial_at += 2 * tiles * n + 2 * bands * m
+        if has_m and m % 8:
+            words_at += n * m // 32 + 2
+    items = torch.repeat_interleave(torch.arange(len(shapes), dtype=torch.int32), torch.tensor(counts))
+    return geometry, items.to(device), partial_at, words_at
 
 
-@functools.lru_cache(maxsize=4096)
-def _plan(n: int, m: int, sms: int) -> _Plan:
-    width = min(max(triton.next_power_of_2(m), 32), 128)
-    block_rows, block_cols, warps = TILE_TABLE[width]
-    tiles = triton.cdiv(m, block_cols)
-    max_bands = max(1, min(triton.cdiv(n, block_rows), n // MIN_BAND_ROWS))
-    bands = max(1, min(max_bands, triton.cdiv(PROGRAMS_PER_SM * sms, tiles)))
-    band_rows = triton.cdiv(triton.cdiv(n, bands), block_rows) * block_rows
-    bands = triton.cdiv(n, band_rows)
-    return _Plan(block_rows, block_cols, warps, band_rows, bands, tiles, 2 * tiles * n + 2 * bands * m)
+def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
+    return (dtype, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.decoupled_weight_decay,
+            cfg.maximize, cfg.stochastic_rounding and dtype == torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's CPU interpreter
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> None:
-    """The fused step: same contract as :func:`smmf.functional.torch_step_`."""
-    rows, cols = matrix_shape(param)
-    if rows == 0:
-        return
-    weight = real_view(param.detach())
-    if not weight.is_contiguous():  # logical row-major order: strided params go through one copy
-        weight = weight.contiguous()
-    g = real_view(grad)
-    if g.dtype != weight.dtype:
-        g = g.to(weight.dtype)
-    g = g.contiguous()
-    device = weight.device
-    plan = _plan(rows, cols, _sm_count(device))
+def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> None:
+    """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch per distinct
+    (dtype, cfg) among them."""
+    launches: dict[tuple, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
+    copies_back = []
+    for param, grad, state, cfg in items:
+        if real_view(param).numel() == 0:
+            continue
+        weight = real_view(param.detach())
+        if not weight.is_contiguous():  # logical row-major order: strided params go through one copy
+            copy = weight.contiguous()
+            copies_back.append((weight, copy))
+            weight = copy
+        g = real_view(grad)
+        if g.dtype != weight.dtype or not g.is_contiguous():
+            g = g.to(weight.dtype).contiguous()
+        launches.setdefault(_config_key(cfg, weight.dtype), []).append((weight, g, state, cfg))
+    for key, tensors in launches.items():
+        has_m = tensors[0][3].beta1 is not None
+        # Without a first moment there are no sign bits, and every tensor takes the aligned code.
+        aligned = [x for x in tensors if not has_m or matrix_shape(x[0])[1] % 8 == 0]
+        unaligned = [x for x in tensors if has_m and matrix_shape(x[0])[1] % 8 != 0]
+        for group, is_aligned in ((aligned, True), (unaligned, False)):
+            if group:
+                _launch(group, dtype=key[0], stochastic=key[-1], aligned=is_aligned)
+    for weight, copy in copies_back:
+        weight.copy_(copy)
+
+
+def _launch(
+    tensors: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]], dtype: torch.dtype, stochastic: bool, aligned: bool
+) -> None:
+    cfg = tensors[0][3]
     has_m = cfg.beta1 is not None
-    aligned = cols % 8 == 0
-    partial = torch.empty(plan.partial_numel, dtype=torch.float32, device=device)
-    words = partial if aligned or not has_m else torch.zeros(rows * cols // 32 + 2, dtype=torch.int32, device=device)
+    device = tensors[0][0].device
+    shapes = tuple(matrix_shape(w) for w, _, _, _ in tensors)
+    geometry, item_tensor, partial_numel, words_numel = _layout(shapes, has_m, device)
+    table = []
+    for (weight, g, state, _), geo in zip(tensors, geometry):
+        row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
+        if has_m:
+            signs, row_m, col_m = state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()
+        else:
+            signs, row_m, col_m = 0, row_v, col_v
+        table += [weight.data_ptr(), g.data_ptr(), signs, row_m, col_m, row_v, col_v, *geo]
+    # Pinned, then an async copy: no stream sync, and the caching host allocator keeps the buffer
+    # until the copy is done.
+    meta = torch.tensor(table, dtype=torch.int64)
+    meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
+    partial = torch.empty(partial_numel, dtype=torch.float32, device=device)
+    words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
     decoupled = cfg.decoupled_weight_decay
-    stochastic = cfg.stochastic_rounding and weight.dtype == torch.bfloat16
-    row_v, col_v = state[ROW_V], state[COL_V]
-    row_m, col_m, signs = (state[ROW_M], state[COL_M], state[SIGN_M]) if has_m else (row_v, col_v, words)
-    _step_kernel[(plan.bands, plan.tiles)](
-        weight, g, signs, words, row_m, col_m, row_v, col_v, partial,
-        rows, cols, plan.band_rows, cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
+    _step_kernel[(item_tensor.numel(),)](
+        meta, item_tensor, partial, words,
+        cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
         -1.0 if cfg.maximize else 1.0,
         1.0 - cfg.lr * cfg.weight_decay if decoupled else 1.0,
         0.0 if decoupled else cfg.weight_decay,
-        int(torch.randint(0, 2**31 - 1, ()).item()) if stochastic else 0,
-        HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic,
-        BR=plan.block_rows, BC=plan.block_cols, num_warps=plan.warps,
+        int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
+        W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic,
+        BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS,
     )
-    _finish_kernel[(2 if has_m else 1,)](
-        partial, row_v, col_v, row_m, col_m, rows, cols, plan.tiles, plan.bands, BLOCK=1024, num_warps=4,
+    copiers = 0 if aligned else COPY_PROGRAMS
+    _finish_kernel[(len(tensors), (2 if has_m else 1) + copiers)](
+        meta, partial, words, BLOCK=256, KB=16, COPIERS=max(copiers, 1), COPY_BLOCK=4096, num_warps=8,
     )
-    if has_m and not aligned:
-        signs.copy_(words.view(torch.uint8)[: signs.numel()])
-    if weight.data_ptr() != real_view(param.detach()).data_ptr():
-        real_view(param.detach()).copy_(weight)
+
+
+def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> None:
+    """The fused step of one tensor: same contract as :func:`smmf.functional.torch_step_`."""
+    triton_steps_([(param, grad, state, cfg)])
+
+
+triton_step_.batched = triton_steps_  # type: ignore[attr-defined]
