@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="smmf", description="SMMF optimizer: comparisons, memory tables, benchmarks")
-    sub = parser.add_subparsers(dest="command", required=True)
     from .bench import compare, paper_memory, step_time
+    from .bench.args import OneLineParser
+
+    parser = OneLineParser(prog="smmf", description="SMMF optimizer: comparisons, memory tables, benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True)
 
     compare.build_parser(sub.add_parser("compare", help="train with Adam, Adafactor, SM3, CAME and SMMF side by side"))
     paper_memory.build_parser(sub.add_parser("memory", help="the paper's optimizer-memory tables, reproduced"))

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .matrix import nnmf_from_sums, pack_signs, unpack_signs
+from .matrix import factor_sum_cap, nnmf_from_sums, pack_signs, unpack_signs
 from .state import (
     COL_M,
     COL_V,
@@ -45,6 +45,7 @@ class StepConfig:
     decoupled_weight_decay: bool  # True: AdamW-style W·(1 − lr·wd); False: L2, G + wd·W
     maximize: bool
     stochastic_rounding: bool
+    zero_nonfinite: bool = True  # NaN/inf gradient elements count as 0 (else they propagate)
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,9 @@ def torch_step_(
     cfg: StepConfig,
     band: Optional[Band] = None,
     reduce: Optional[Reducer] = None,
-) -> None:
-    """Update ``param`` and its ``state`` in place (``state['step']`` already advanced).
+) -> int:
+    """Update ``param`` and its ``state`` in place (``state['step']`` already advanced); return the
+    number of NaN/inf gradient elements that were treated as zero (``cfg.zero_nonfinite``).
 
     ``band`` and ``reduce`` serve sharded parameters (see :mod:`smmf.sharding`): ``param`` is then
     this rank's shard of a larger matrix, and ``reduce`` sums partial row/column sums over ranks.
@@ -112,6 +114,12 @@ def torch_step_(
     g = real_view(grad).to(work_dtype).contiguous()
     if cfg.maximize:
         g = -g
+    nonfinite = 0
+    if cfg.zero_nonfinite:
+        bad = g.isfinite().logical_not_()
+        nonfinite = int(bad.sum())
+        if nonfinite:
+            g = g.masked_fill(bad, 0.0)  # out of place: never touch p.grad
     if cfg.weight_decay != 0.0:
         if cfg.decoupled_weight_decay:
             work.mul_(1.0 - cfg.lr * cfg.weight_decay)
@@ -125,6 +133,7 @@ def torch_step_(
     work.add_(update.view_as(work), alpha=-cfg.lr)
     if work is not weight:
         write_back_(weight, work, cfg.stochastic_rounding)
+    return nonfinite
 
 
 def _dense_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
@@ -163,10 +172,12 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig, band: Ba
 def _compress(state: dict[str, Any], band: Band, moments: list[tuple[str, str, Tensor]], reduce: Optional[Reducer]) -> None:
     """Rank-1 NNMF of each moment: row sums and column sums / total (summed over ranks first)."""
     sums: list[Tensor] = []
+    cap = factor_sum_cap(band.rows * band.cols, moments[0][2].dtype)
     for _, _, matrix in moments:
+        capped = matrix.clamp(max=cap)
         rows = matrix.new_zeros(band.rows)
-        rows[band.row0 : band.row1] = matrix.sum(dim=1)  # other ranks' rows stay 0 until reduced
-        sums += [rows, matrix.sum(dim=0)]
+        rows[band.row0 : band.row1] = capped.sum(dim=1)  # other ranks' rows stay 0 until reduced
+        sums += [rows, capped.sum(dim=0)]
     if reduce is not None:
         sums = reduce(sums)
     for (row_key, col_key, _), rows, cols in zip(moments, sums[::2], sums[1::2]):

@@ -20,6 +20,7 @@ __all__ = [
     "pack_signs",
     "unpack_signs",
     "packed_sign_bytes",
+    "factor_sum_cap",
     "beta1_at",
     "beta2_at",
 ]
@@ -57,6 +58,13 @@ def nnmf_from_sums(rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`nnmf` from the row and column sums (which shards can add up before factorizing)."""
     total = rows.sum()
     return rows, cols / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def factor_sum_cap(numel: int, dtype: torch.dtype) -> float:
+    """The largest value one element may add to a factor sum: ``numel`` of them, and therefore every
+    row sum, column sum and the total, stay finite. Finite gradients then never give non-finite
+    factors (one fp32 gradient of 2e19 squares to inf). So large that it never binds in training."""
+    return torch.finfo(dtype).max / (2 * max(numel, 1))
 
 
 def packed_sign_bytes(numel: int) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Iterable, Literal, Optional, Union, cast
 
 import torch
@@ -11,16 +14,29 @@ from torch.optim import Optimizer
 from .functional import StepConfig
 from .kernels import check_backend, step_kernel
 from .matrix import beta1_at, beta2_at
-from .state import STEP, check_loaded_state, init_state, state_layout
+from .state import STEP, check_loaded_state, check_state_fits, init_state, state_layout
 
 __all__ = ["SMMF"]
 
 ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 WEIGHT_DECAY_MODES = ("adamw", "adam")
+NONFINITE_GRADS = ("zero", "propagate")
+# Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
+# constructor's values are kept. ``backend`` is never taken from a checkpoint.
+_OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads")
+# Keys that learning-rate schedulers add to param groups.
+_SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum")
 
 
 def _validate_group(group: dict[str, Any]) -> None:
     """One check per hyperparameter; each message states the rule and the value."""
+    for name in ("lr", "eps", "weight_decay", "decay_rate", "beta", "growth_rate"):
+        value = group[name]
+        optional = name in ("beta", "growth_rate")
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)) and not (
+            (optional and value is None) or (name == "lr" and isinstance(value, Tensor))
+        ):
+            raise ValueError(f"{name} should be a {'number or None' if optional else 'number'} but is: {value!r}")
     lr = group["lr"]
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
@@ -48,7 +64,71 @@ def _validate_group(group: dict[str, Any]) -> None:
     for flag in ("vector_reshape", "maximize", "stochastic_rounding"):
         if not isinstance(group[flag], bool):
             raise ValueError(f"{flag} should be a bool but is: {group[flag]!r}")
+    if group["nonfinite_grads"] not in NONFINITE_GRADS:
+        raise ValueError(
+            f"Unknown nonfinite_grads: {group['nonfinite_grads']!r}. It needs to be one of {list(NONFINITE_GRADS)}"
+        )
     check_backend(group["backend"])
+
+
+def _reject_non_float(param: Tensor) -> None:
+    if not (param.is_floating_point() or param.is_complex()):
+        raise ValueError(f"SMMF optimizes floating-point or complex parameters, got a {param.dtype} parameter")
+
+
+def _check_grad(param: Tensor, grad: Tensor) -> None:
+    """The kernels trust a gradient to be dense and to match its param in shape, dtype and device."""
+    if grad.is_sparse:
+        raise RuntimeError("SMMF does not support sparse gradients")
+    if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+        raise RuntimeError(
+            f"a parameter of shape {tuple(param.shape)} ({param.dtype}, {param.device}) has a gradient of shape "
+            f"{tuple(grad.shape)} ({grad.dtype}, {grad.device}); they must match"
+        )
+
+
+class NonfiniteMonitor:
+    """Warns once when a step met NaN/inf gradient elements (``nonfinite_grads="zero"``).
+
+    Kernels report how many elements they zeroed: a number, or a CUDA tensor that is copied to the
+    host without waiting and read at a later step once it has arrived (so a CUDA warning comes a
+    step late, and no step ever synchronizes for it).
+    """
+
+    def __init__(self) -> None:
+        self.warned = False
+        self.pending: list[tuple[Tensor, Any]] = []
+
+    def report(self, count: Union[int, Tensor, None]) -> None:
+        if self.warned or count is None:
+            return
+        if isinstance(count, Tensor):
+            host = torch.empty(count.shape, dtype=count.dtype, pin_memory=True)
+            host.copy_(count, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record()
+            self.pending.append((host, arrived))
+        elif count:
+            self._warn(count)
+
+    def poll(self) -> None:
+        still = []
+        for host, arrived in self.pending:
+            if not arrived.query():
+                still.append((host, arrived))
+            elif int(host.sum()) and not self.warned:
+                self._warn(int(host.sum()))
+        self.pending = still
+
+    def _warn(self, count: int) -> None:
+        self.warned = True
+        self.pending = []
+        warnings.warn(
+            f"SMMF met {count} NaN/inf gradient element(s) in one step and treated them as zero gradients "
+            "(nonfinite_grads='zero'; 'propagate' lets them through). Warned once per optimizer.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _reject_flattened(param: Tensor) -> None:
@@ -108,6 +188,11 @@ class SMMF(Optimizer):
         maximize: maximize the objective instead of minimizing it (default: False).
         stochastic_rounding: round bf16 parameters stochastically when writing the update
             back; the numba kernel draws from numba's generator, not torch's (default: False).
+        nonfinite_grads: what a NaN or ±inf gradient element does. ``"zero"``: it counts as a zero
+            gradient for that element alone (its moments decay, the rest of the tensor is updated
+            as usual) and a warning is issued once; ``"propagate"``: it flows into the update as in
+            plain torch — for SMMF that makes the whole tensor NaN, since its factors are sums over
+            it (default: ``"zero"``).
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
             params, each when installed; the torch path for what they do not cover: dense 1-D
             state, fp64 on CUDA, fp16 and complex on CPU, DTensor shards), or one of ``"torch"``,
@@ -145,6 +230,7 @@ class SMMF(Optimizer):
         *,
         maximize: bool = False,
         stochastic_rounding: bool = False,
+        nonfinite_grads: Literal["zero", "propagate"] = "zero",
         backend: Literal["auto", "torch", "numba", "triton"] = "auto",
     ) -> None:
         defaults: dict[str, Any] = dict(
@@ -158,9 +244,11 @@ class SMMF(Optimizer):
             weight_decay_mode=weight_decay_mode,
             maximize=maximize,
             stochastic_rounding=stochastic_rounding,
+            nonfinite_grads=nonfinite_grads,
             backend=backend,
         )
         _validate_group(defaults)
+        self._nonfinite = NonfiniteMonitor()
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -168,6 +256,7 @@ class SMMF(Optimizer):
         try:
             _validate_group(self.param_groups[-1])
             for param in self.param_groups[-1]["params"]:
+                _reject_non_float(param)
                 _reject_flattened(param)
         except (ValueError, RuntimeError):
             self.param_groups.pop()
@@ -178,7 +267,9 @@ class SMMF(Optimizer):
         for group in self.param_groups:
             group.setdefault("maximize", False)
             group.setdefault("stochastic_rounding", False)
+            group.setdefault("nonfinite_grads", "zero")
             group.setdefault("backend", "auto")
+        self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -191,14 +282,19 @@ class SMMF(Optimizer):
         work = []
         for group in self.param_groups:
             for param in group["params"]:
-                if param.grad is None:
+                grad = param.grad
+                if grad is None:
                     continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("SMMF does not support sparse gradients")
-                state = self.state.get(param) or init_state(param, group)
+                _check_grad(param, grad)
+                state = self.state.get(param)
+                if state:
+                    check_state_fits(param, state)
+                else:
+                    state = init_state(param, group)
                 work.append((group, param, state, step_kernel(group["backend"], param, state)))
+        self._nonfinite.poll()
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
-        batches: dict[Callable[..., None], list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
+        batches: dict[Callable[..., Any], list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
         configs: dict[tuple[int, int], StepConfig] = {}
         for group, param, state, kernel in work:
             self.state[param] = state
@@ -207,11 +303,11 @@ class SMMF(Optimizer):
             cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP]))
             batched = getattr(kernel, "batched", None)
             if batched is None:
-                kernel(param, param.grad, state, cfg)
+                self._nonfinite.report(kernel(param, param.grad, state, cfg))
             else:
                 batches.setdefault(batched, []).append((param, param.grad, state, cfg))
         for batched, items in batches.items():
-            batched(items)
+            self._nonfinite.report(batched(items))
         return loss
 
     @staticmethod
@@ -226,14 +322,50 @@ class SMMF(Optimizer):
             decoupled_weight_decay=group["weight_decay_mode"] == "adamw",
             maximize=group["maximize"],
             stochastic_rounding=group["stochastic_rounding"],
+            zero_nonfinite=group["nonfinite_grads"] == "zero",
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint, keeping fp32 factors and uint8 signs whatever the param dtype.
+        """Load a checkpoint whole or not at all, keeping fp32 factors and uint8 signs.
 
-        The checkpoint is checked against the parameters first; a checkpoint that does not fit
-        raises ``ValueError`` and leaves the optimizer untouched.
+        Order: the load pre-hooks (each may return a new state dict), then validation of what they
+        produced against the parameters — keys, shapes, dtypes, a finite whole ``step``, the group
+        options — then the load, the restore of the state dtypes (plain torch would cast them to
+        the param dtype), then the post-hooks, which see the final state. A checkpoint that does
+        not fit raises ``ValueError`` and leaves the optimizer untouched. ``backend`` is a runtime
+        choice: the constructor's is kept, whatever the checkpoint says.
         """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        param_of = self._check_loadable(state_dict)
+        kept = [{key: group[key] for key in _OPTIONAL_KEYS} for group in self.param_groups]
+        # torch's loader, without the hooks: they run here, around our restore.
+        hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = OrderedDict(), OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
+        for group, own in zip(self.param_groups, kept):
+            for key, value in own.items():
+                group.setdefault(key, value)
+            group["backend"] = own["backend"]
+        for pid, saved in state_dict["state"].items():
+            param, options = param_of[pid]
+            state = self.state[param]
+            for key, spec in state_layout(param, options).items():
+                state[key] = saved[key].to(param.device, spec.dtype, copy=True)
+            state[STEP] = int(cast(Any, saved[STEP]))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> dict[Any, tuple[Tensor, dict[str, Any]]]:
+        """Raise ``ValueError`` unless ``state_dict`` fits this optimizer; map saved ids to params."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError("an optimizer state dict has 'state' and 'param_groups'")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -241,6 +373,7 @@ class SMMF(Optimizer):
                 f"the optimizer has {len(self.param_groups)}"
             )
         saved_state = state_dict["state"]
+        required = set(inspect.signature(SMMF.__init__).parameters) - {"self", "params", *_OPTIONAL_KEYS}
         param_of: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if len(group["params"]) != len(saved["params"]):
@@ -248,7 +381,14 @@ class SMMF(Optimizer):
                     f"loaded parameter group {index} has {len(saved['params'])} parameters, "
                     f"the optimizer's has {len(group['params'])}"
                 )
-            options = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+            missing = sorted(required - set(saved))
+            foreign = sorted(set(saved) - set(self.defaults) - set(group) - {"params", *_SCHEDULER_KEYS})
+            if missing or foreign:
+                raise ValueError(
+                    f"loaded parameter group {index} does not hold SMMF's options (lacks {missing}, has unknown "
+                    f"{foreign}): is it another optimizer's state dict?"
+                )
+            options = {**group, **{k: v for k, v in saved.items() if k not in ("params", "backend")}}
             _validate_group(options)
             for param, pid in zip(group["params"], saved["params"]):
                 param_of[pid] = (param, options)
@@ -257,12 +397,4 @@ class SMMF(Optimizer):
         unknown = sorted(set(saved_state) - set(param_of), key=str)
         if unknown:
             raise ValueError(f"loaded state dict has state for parameters {unknown} that no group lists")
-        super().load_state_dict(state_dict)
-        # torch casts every floating (and uint8) state tensor to the param dtype: undo that
-        # from the saved tensors, which still have their own dtypes.
-        for pid, saved in saved_state.items():
-            param, options = param_of[pid]
-            state = self.state[param]
-            for key, spec in state_layout(param, options).items():
-                state[key] = saved[key].to(param.device, spec.dtype, copy=True)
-            state[STEP] = int(cast(Any, saved[STEP]))
+        return param_of

@@ -7,13 +7,14 @@ predictor counts it; so the three can never disagree.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .matrix import packed_sign_bytes, square_matricize_shape
-from .sharding import as_state, local, shard_info
+from .sharding import as_state, is_dtensor, local, shard_info
 
 # Keys of the factored state (a parameter seen as an n×m matrix).
 ROW_M, COL_M, SIGN_M = "row_m", "col_m", "sign_m"
@@ -82,10 +83,31 @@ def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
+def check_state_fits(param: Tensor, state: Mapping[str, Any]) -> None:
+    """Raise ``RuntimeError`` unless the live ``state`` has the shapes ``param`` needs now (a param
+    whose ``.data`` was swapped for another shape would make the kernels read and write out of bounds)."""
+    real = real_view(param)
+    if EXP_AVG_SQ in state:
+        got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)
+        if is_dtensor(state[EXP_AVG_SQ]) or got == need:
+            return
+    else:
+        rows, cols = matrix_shape(param)
+        got, need = (state[ROW_V].shape[0], state[COL_V].shape[0]), (rows, cols)
+        if got == need and (SIGN_M not in state or is_dtensor(state[SIGN_M])
+                            or state[SIGN_M].shape[0] == packed_sign_bytes(rows * cols)):
+            return
+    raise RuntimeError(
+        f"a parameter of shape {tuple(param.shape)} has SMMF state made for another shape "
+        f"(state {got}, this shape needs {need}): was its .data replaced? Build a new optimizer for it"
+    )
+
+
 def check_loaded_state(
     param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any], where: str
 ) -> None:
-    """Raise ``ValueError`` unless ``state`` has exactly the keys and shapes ``param`` needs."""
+    """Raise ``ValueError`` unless ``state`` has exactly the keys, shapes and dtypes ``param`` needs
+    and a finite, non-negative, whole ``step``."""
     layout = state_layout(param, group)
     expected = set(layout) | {STEP}
     if set(state) != expected:
@@ -101,7 +123,17 @@ def check_loaded_state(
                 f"{where}: state '{key}' has shape {got} but a parameter of shape "
                 f"{tuple(param.shape)} needs {spec.shape}"
             )
+        if spec.dtype == torch.uint8 and value.dtype != torch.uint8:
+            raise ValueError(f"{where}: state '{key}' holds packed sign bits and must be uint8, not {value.dtype}")
+        if spec.dtype != torch.uint8 and not value.is_floating_point():
+            raise ValueError(f"{where}: state '{key}' must be a floating-point tensor, not {value.dtype}")
     step = state[STEP]
     step_value = step.item() if isinstance(step, Tensor) and step.numel() == 1 else step
-    if not isinstance(step_value, (int, float)) or step_value < 0:
-        raise ValueError(f"{where}: state 'step' should be a non-negative number but is {step!r}")
+    if (
+        isinstance(step_value, bool)
+        or not isinstance(step_value, (int, float))
+        or not math.isfinite(step_value)
+        or step_value < 0
+        or step_value != int(step_value)
+    ):
+        raise ValueError(f"{where}: state 'step' should be a finite, non-negative whole number but is {step!r}")

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from ..memory import state_bytes
+from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
@@ -171,35 +172,54 @@ def _machine(device: torch.device) -> str:
     return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+PROG = "smmf compare"
+
+
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(description=__doc__)
+    parser = parser or OneLineParser(prog=PROG, description=__doc__)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                         help="comma-separated, of adam, adafactor, sm3, came, smmf, adafactor-torch")
     parser.add_argument("--steps", type=int, help="training steps per run (default: per task)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/compare", help="output directory")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when available)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when available")
     parser.add_argument("--opt-args", action="append", default=[], metavar="NAME:key=value,...",
                         help="override an optimizer's hyperparameters, e.g. smmf:decay_rate=-0.8")
     parser.add_argument("--quick", action="store_true", help="a tiny run for smoke tests")
     return parser
 
 
-def main(args: Optional[argparse.Namespace] = None) -> int:
-    args = args or build_parser().parse_args()
-    tasks = [t for t in args.tasks.split(",") if t]
-    optimizers = [o for o in args.optimizers.split(",") if o]
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.device, dict[str, dict[str, Any]], Path]:
+    """Every argument checked before the first step: a bad one fails in one line, exit status 2."""
+    tasks = comma_list(PROG, "--tasks", args.tasks, list(TASKS))
     known = optimizer_specs("cnn")
-    for t in tasks:
-        if t not in TASKS:
-            raise SystemExit(f"Unknown task: {t!r}. It needs to be one of {list(TASKS)}")
-    for o in optimizers:
-        if o not in known:
-            raise SystemExit(f"Unknown optimizer: {o!r}. It needs to be one of {list(known)}")
+    optimizers = comma_list(PROG, "--optimizers", args.optimizers, list(known))
+    if args.steps is not None and args.steps < 1:
+        fail(PROG, f"--steps must be at least 1, got {args.steps}")
+    cuda_or_fail(PROG, args.device)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
-    opt_args = parse_opt_args(args.opt_args)
+    try:
+        opt_args = parse_opt_args(args.opt_args)
+    except ValueError as err:
+        fail(PROG, str(err))
+    probe = [torch.nn.Parameter(torch.zeros(2, 2))]
+    for name, overrides in opt_args.items():
+        if name not in optimizers:
+            fail(PROG, f"--opt-args names {name!r}, which is not among --optimizers {optimizers}")
+        for kind in sorted({TASKS[t].kind for t in tasks}):
+            spec = optimizer_specs(kind)[name]
+            try:
+                spec.build(probe, **{**spec.kwargs, **overrides})
+            except (TypeError, ValueError) as err:
+                fail(PROG, f"--opt-args {name}:{','.join(f'{k}={v}' for k, v in overrides.items())}: {err}")
+    return tasks, optimizers, device, opt_args, writable_dir(PROG, "--out", args.out)
+
+
+def main(args: Optional[argparse.Namespace] = None) -> int:
+    args = args or build_parser().parse_args()
+    tasks, optimizers, device, opt_args, out = check_args(args)
     started = time.time()
     results = run(tasks, optimizers, args.steps, args.seed, device, opt_args, args.quick)
     meta = {
@@ -208,7 +228,6 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         "seconds": time.time() - started,
         "seed": args.seed,
     }
-    out = Path(args.out)
     write_outputs(results, meta, out)
     headers, rows = summary_rows(results)
     print(format_table(headers, rows))

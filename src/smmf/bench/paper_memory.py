@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -20,6 +20,7 @@ from torch import nn
 
 from ..memory import CUDA_ALLOCATOR_BLOCK, OPTIMIZERS, predict_state_bytes
 from . import models
+from .args import OneLineParser, fail
 from .models import ModelSpec
 from .progress import progress
 from .table import format_table
@@ -151,13 +152,20 @@ def run(
     tables = [(t, [r for r in t.rows if model is None or r.spec.name.lower() == model.lower()]) for t in PAPER_TABLES]
     tables = [(t, rows) for t, rows in tables if rows]
     if not tables:
-        names = sorted({r.spec.name for t in PAPER_TABLES for r in t.rows})
-        raise SystemExit(f"Unknown model: {model!r}. It needs to be one of {names}")
+        raise ValueError(f"Unknown model: {model!r}. It needs to be one of {model_names()}")
     jobs = [(t, r) for t, rows in tables for r in rows]
     results: dict[int, list[dict[str, Any]]] = {id(t): [] for t, _ in tables}
+    skipped: dict[int, list[str]] = {id(t): [] for t, _ in tables}
     for table, row in progress(jobs, "building models", len(jobs), show_progress):
-        results[id(table)] += measure_row(row, table.unit, device)
-    return [(t, results[id(t)]) for t, _ in tables]
+        try:
+            results[id(table)] += measure_row(row, table.unit, device)
+        except ModuleNotFoundError as err:  # e.g. peft, for the LoRA row, without the [bench] extra
+            skipped[id(table)].append(f"{row.spec.name}: skipped, it needs {err.name} (pip install 'smmf[bench]')")
+    return [(replace(t, missing=t.missing + skipped[id(t)]), results[id(t)]) for t, _ in tables]
+
+
+def model_names() -> list[str]:
+    return sorted({r.spec.name for t in PAPER_TABLES for r in t.rows})
 
 
 def format_results(results: list[tuple[PaperTable, list[dict[str, Any]]]], fmt: str) -> str:
@@ -196,8 +204,11 @@ def config_report(path: str, fmt: str) -> str:
     return f"{rep.params:,} trainable parameters ({path})\n" + rep.table(fmt)
 
 
+PROG = "smmf memory"
+
+
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(description=__doc__)
+    parser = parser or OneLineParser(prog=PROG, description=__doc__)
     parser.add_argument("--model", help="only this model's rows (e.g. ResNet-50, GPT-2)")
     parser.add_argument("--config", help="report the state of any transformers config file instead")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
@@ -205,13 +216,35 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     return parser
 
 
+def check_config(path: str) -> None:
+    """A readable JSON object with a ``model_type`` that transformers knows, or a one-line error."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except OSError as err:
+        fail(PROG, f"--config {path}: {err.strerror or err}")
+    except ValueError as err:
+        fail(PROG, f"--config {path}: not valid JSON ({err})")
+    if not isinstance(config, dict) or "model_type" not in config:
+        fail(PROG, f"--config {path}: expected a transformers config, a JSON object with a 'model_type'")
+    try:
+        from transformers import CONFIG_MAPPING
+    except ModuleNotFoundError:
+        fail(PROG, "--config needs transformers: pip install 'smmf[bench]'")
+    if config["model_type"] not in CONFIG_MAPPING:
+        fail(PROG, f"--config {path}: unknown model_type {config['model_type']!r}")
+
+
 def main(args: Optional[argparse.Namespace] = None) -> int:
     args = args or build_parser().parse_args()
+    if args.model is not None and args.model.lower() not in {name.lower() for name in model_names()}:
+        fail(PROG, f"--model: unknown {args.model!r}; choose from {model_names()}")
+    if args.measure and not torch.cuda.is_available():
+        fail(PROG, "--measure cuda needs a CUDA device, and none is available")
     if args.config:
+        check_config(args.config)
         print(config_report(args.config, args.format))
         return 0
-    if args.measure and not torch.cuda.is_available():
-        raise SystemExit("smmf memory: error: --measure cuda needs a CUDA device, and none is available")
     print(format_results(run(args.model, device=args.measure), args.format))
     return 0
 

@@ -26,6 +26,7 @@ import torch
 
 from .. import SMMF
 from ..kernels import available_backends
+from .args import OneLineParser, comma_list, cuda_or_fail, fail
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
 from .shapes import gpt2_like_shapes, gpt2_xl_like_shapes, make_params, resnet50_shapes
@@ -216,8 +217,11 @@ def format_results(results: dict[str, Any], fmt: str = "table") -> str:
     return title + format_table(headers, rows, fmt)
 
 
+PROG = "smmf bench"
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(description=__doc__)
+    parser = parser or OneLineParser(prog=PROG, description=__doc__)
     parser.add_argument("--sets", default="gpt2-52M,resnet50", help=f"comma-separated, of: {', '.join(SHAPE_SETS)}")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -233,7 +237,11 @@ def main(args: argparse.Namespace | None = None) -> int:
     if args.peak_child:
         _peak_child(args.peak_child)
         return 0
-    results = run(args.sets.split(","), args.repeats, args.device, not args.no_peak)
+    sets = comma_list(PROG, "--sets", args.sets, list(SHAPE_SETS))
+    if args.repeats < 1:
+        fail(PROG, f"--repeats must be at least 1, got {args.repeats}")
+    cuda_or_fail(PROG, args.device)
+    results = run(sets, args.repeats, args.device, not args.no_peak)
     print(json.dumps(results, indent=2) if args.json else format_results(results, args.format))
     return 0
 

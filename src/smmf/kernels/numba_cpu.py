@@ -11,6 +11,7 @@ threads write the same byte.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numba
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..functional import StepConfig
+from ..matrix import factor_sum_cap
 from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape
 
 __all__ = ["numba_step_"]
@@ -82,25 +84,37 @@ def _pack_row(signs, start, length, nonneg):
         signs[byte] = value
 
 
+@numba.njit(inline="always")
+def _capped(x, cap):
+    """``x`` at most ``cap`` (NaN stays NaN): what one element adds to a factor sum."""
+    return cap if x > cap else x
+
+
 @numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _row_with_momentum(wrow, grow, msign, nonneg, col_m, col_v, acc_m, acc_v, rm, rv,
-                       lr, beta1, beta2, eps, gsign, shrink, l2):
+                       lr, beta1, beta2, eps, gsign, shrink, l2, zero_bad, big, cap):
     one = beta2 - beta2 + 1  # 1 in the work dtype
-    sum_m = beta2 - beta2
-    sum_v = beta2 - beta2
+    zero = beta2 - beta2
+    sum_m = zero
+    sum_v = zero
+    bad = 0
     for j in range(wrow.shape[0]):
         wj = wrow[j] * shrink
-        gj = grow[j] * gsign + l2 * wj
+        graw = grow[j] * gsign
+        finite = abs(graw) <= big  # False for NaN
+        bad += 0 if finite else 1
+        gj = (graw if finite or not zero_bad else zero) + l2 * wj
         vj = beta2 * (rv * col_v[j]) + (one - beta2) * (gj * gj)
         mj = beta1 * (rm * col_m[j] * msign[j]) + (one - beta1) * gj
         nonneg[j] = mj >= 0
-        a = abs(mj)
+        a = _capped(abs(mj), cap)
+        vs = _capped(vj, cap)
         sum_m += a
-        sum_v += vj
+        sum_v += vs
         acc_m[j] += a
-        acc_v[j] += vj
+        acc_v[j] += vs
         wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
-    return sum_m, sum_v
+    return sum_m, sum_v, bad
 
 
 @numba.njit(inline="always")
@@ -121,23 +135,30 @@ def _pack_row_bytes(signs, first_byte, length, nonneg):
 
 
 @numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
-def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, eps, gsign, shrink, l2):
+def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, eps, gsign, shrink, l2, zero_bad, big, cap):
     one = beta2 - beta2 + 1
-    sum_v = beta2 - beta2
+    zero = beta2 - beta2
+    sum_v = zero
+    bad = 0
     for j in range(wrow.shape[0]):
         wj = wrow[j] * shrink
-        gj = grow[j] * gsign + l2 * wj
+        graw = grow[j] * gsign
+        finite = abs(graw) <= big
+        bad += 0 if finite else 1
+        gj = (graw if finite or not zero_bad else zero) + l2 * wj
         vj = beta2 * (rv * col_v[j]) + (one - beta2) * (gj * gj)
-        sum_v += vj
-        acc_v[j] += vj
+        vs = _capped(vj, cap)
+        sum_v += vs
+        acc_v[j] += vs
         wrow[j] = wj - lr * (gj / (math.sqrt(vj) + eps))
-    return sum_v
+    return sum_v, bad
 
 
 def _make_kernel(load, store, parallel):
     @numba.njit(parallel=parallel, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-    def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v,
-               n, m, rows_per_block, lr, beta1, has_m, beta2, eps, gsign, shrink, l2, sr, sign_table):
+    def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, bad_counts,
+               n, m, rows_per_block, lr, beta1, has_m, beta2, eps, gsign, shrink, l2, sr, sign_table,
+               zero_bad, big, cap):
         nblocks = col_acc_v.shape[0]
         aligned = m % 8 == 0  # every row starts and ends on a byte of the packed signs
         for b in numba.prange(nblocks):
@@ -150,6 +171,7 @@ def _make_kernel(load, store, parallel):
             gbuf = np.empty(m, dtype=np.uint32)
             msign = np.empty(m, dtype=row_v.dtype)
             nonneg = np.empty(m, dtype=np.bool_)
+            bad = 0
             for i in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
                 start = i * m
                 wrow = load(w, start, m, wbuf)
@@ -159,19 +181,21 @@ def _make_kernel(load, store, parallel):
                         _unpack_row_bytes(signs, start >> 3, m, sign_table, msign)
                     else:
                         _unpack_row(signs, start, m, msign)
-                    sum_m, sum_v = _row_with_momentum(
+                    sum_m, sum_v, row_bad = _row_with_momentum(
                         wrow, grow, msign, nonneg, col_m, col_v, acc_m, acc_v, row_m[i], row_v[i],
-                        lr, beta1, beta2, eps, gsign, shrink, l2)
+                        lr, beta1, beta2, eps, gsign, shrink, l2, zero_bad, big, cap)
                     if aligned:
                         _pack_row_bytes(signs, start >> 3, m, nonneg)
                     else:
                         _pack_row(signs, start, m, nonneg)
                     row_m[i] = sum_m
                 else:
-                    sum_v = _row_without_momentum(
-                        wrow, grow, col_v, acc_v, row_v[i], lr, beta2, eps, gsign, shrink, l2)
+                    sum_v, row_bad = _row_without_momentum(
+                        wrow, grow, col_v, acc_v, row_v[i], lr, beta2, eps, gsign, shrink, l2, zero_bad, big, cap)
                 row_v[i] = sum_v
+                bad += row_bad
                 store(w, start, wrow, sr)
+            bad_counts[b] = bad
         _finish_cols(row_v, col_v, col_acc_v)
         if has_m:
             _finish_cols(row_m, col_m, col_acc_m)
@@ -199,6 +223,11 @@ _SIGN_TABLES = {
     for dt in (np.float32, np.float64)
 }
 
+# numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
+# process when two threads enter parallel regions at once: parallel launches take turns. Each
+# already uses every core, so with OpenMP or TBB this costs nothing.
+_PARALLEL_LAUNCH = threading.Lock()
+
 # Small tensors run on one thread: waking the thread pool costs more than their whole step.
 _PARALLEL_MIN_NUMEL = 1 << 16
 _KERNELS = {
@@ -225,11 +254,11 @@ def _as_numpy(t: Tensor) -> np.ndarray:
     return flat.numpy()
 
 
-def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> None:
+def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
     """The fused step: same contract as :func:`smmf.functional.torch_step_`."""
     rows, cols = matrix_shape(param)
     if rows == 0:
-        return
+        return 0
     # The kernel walks the logical row-major order: strided tensors go through one copy.
     weight = param.detach() if param.is_contiguous() else param.detach().contiguous()
     if grad.dtype != param.dtype:
@@ -240,11 +269,13 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     dtype = state[ROW_V].dtype
     col_acc_m = torch.empty((blocks, cols if has_m else 0), dtype=dtype)
     col_acc_v = torch.empty((blocks, cols), dtype=dtype)
+    bad_counts = np.zeros(blocks, dtype=np.int64)
     scalar = np.float64 if dtype == torch.float64 else np.float32
     decoupled = cfg.decoupled_weight_decay
-    kernel = _KERNELS[param.dtype == torch.bfloat16, rows * cols >= _PARALLEL_MIN_NUMEL]
+    parallel = rows * cols >= _PARALLEL_MIN_NUMEL
+    kernel = _KERNELS[param.dtype == torch.bfloat16, parallel]
     empty = torch.empty(0, dtype=dtype)
-    kernel(
+    args = (
         _as_numpy(weight),
         _as_numpy(grad),
         state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
@@ -254,6 +285,7 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
         state[COL_V].numpy(),
         col_acc_m.numpy(),
         col_acc_v.numpy(),
+        bad_counts,
         rows,
         cols,
         rows_per_block,
@@ -267,6 +299,15 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
         scalar(0.0 if decoupled else cfg.weight_decay),
         cfg.stochastic_rounding,
         _SIGN_TABLES[scalar],
+        cfg.zero_nonfinite,
+        scalar(torch.finfo(dtype).max),
+        scalar(factor_sum_cap(rows * cols, dtype)),
     )
+    if parallel:
+        with _PARALLEL_LAUNCH:
+            kernel(*args)
+    else:
+        kernel(*args)
     if weight.data_ptr() != param.data_ptr():
         param.detach().copy_(weight)
+    return int(bad_counts.sum()) if cfg.zero_nonfinite else 0

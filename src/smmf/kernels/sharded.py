@@ -14,14 +14,13 @@ from ..sharding import local, shard_info
 from ..state import EXP_AVG_SQ, matrix_shape
 
 
-def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> None:
+def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
     info = shard_info(param)
     assert info is not None, "sharded_step_ takes DTensor parameters"
     local_state = {key: local(value) for key, value in state.items()}
     weight, local_grad = local(param), local(grad)
     if EXP_AVG_SQ in state or not info.sharded:  # elementwise, or every rank holds it all
-        torch_step_(weight, local_grad, local_state, cfg)
-        return
+        return torch_step_(weight, local_grad, local_state, cfg)
     rows, cols = matrix_shape(param)
     group = info.mesh.get_group()
 
@@ -31,4 +30,4 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
         return list(flat.split([s.numel() for s in sums]))
 
     band = Band.of_range(rows, cols, info.start, info.numel)
-    torch_step_(weight, local_grad, local_state, cfg, band=band, reduce=all_reduce)
+    return torch_step_(weight, local_grad, local_state, cfg, band=band, reduce=all_reduce)

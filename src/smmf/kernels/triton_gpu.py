@@ -32,7 +32,7 @@ arguments, so tensors whose step configuration differs go to separate launches.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import triton
@@ -58,14 +58,16 @@ COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign s
 
 
 @triton.jit
-def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, lr, beta1, beta2, eps, gsign, shrink, l2, seed,
-                 W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
+def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
+                 seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
+                 ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
     laid out per tensor as [V rows: tiles×n][M rows: tiles×n][V cols: bands×m][M cols: bands×m];
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors. Scalars: ``gsign`` −1 to
     maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the coupled decay coefficient,
-    ``seed`` for bf16 stochastic rounding. A tile is held as (BR, BC/8, 8): the last axis is one sign
+    ``seed`` for bf16 stochastic rounding. ``bad`` counts (a lower bound of) the NaN/inf gradient
+    elements, which count as zero when ``ZERO_BAD``. What one element adds to a factor sum is capped
+    (``smmf.matrix.factor_sum_cap``), so finite gradients keep the factors finite. A tile is held as (BR, BC/8, 8): the last axis is one sign
     byte, so bits unpack and pack without reshaping. ``ALIGNED``: every tensor's m is a multiple of 8."""
     BB: tl.constexpr = BC // 8
     item = tl.program_id(0)
@@ -95,6 +97,8 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, lr, beta1, b
         col_m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
         words = words_ptr + tl.load(row + 13)
         cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+    cap = 3.4028234663852886e38 / (2.0 * (n * m).to(tl.float32))
+    any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
     acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
     acc_m = tl.zeros((BR, BB, 8), dtype=tl.float32)
     first_row = band * BAND
@@ -106,12 +110,18 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, lr, beta1, b
         base = r0 * m  # int64: the tile's first element; offsets within the tile fit in int32
         offs = r_idx * m32 + cols
         w = tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink
-        g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign + l2 * w
+        g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
+        finite = tl.abs(g) <= 3.4028234663852886e38  # False for NaN
+        any_bad = any_bad | (ok & ~finite)
+        if ZERO_BAD:
+            g = tl.where(finite, g, 0.0)
+        g = g + l2 * w
         rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
         v = beta2 * (rv * cv) + (1.0 - beta2) * (g * g)
         v = tl.where(ok, v, 0.0)
-        tl.store(part + tile * n + rows, tl.sum(tl.sum(v, axis=2), axis=1), mask=row_ok)
-        acc_v += v
+        v_capped = tl.where(v > cap, cap, v)
+        tl.store(part + tile * n + rows, tl.sum(tl.sum(v_capped, axis=2), axis=1), mask=row_ok)
+        acc_v += v_capped
         if HAS_M:
             if ALIGNED:  # a tile's row segment is whole bytes, one per (row, byte) of the tile
                 byte_offs = base // 8 + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
@@ -143,6 +153,7 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, lr, beta1, b
                 tl.atomic_or(words + word, lo, mask=group_ok & (lo != 0))
                 tl.atomic_or(words + word + 1, hi, mask=group_ok & (hi != 0))
             a = tl.abs(mm)
+            a = tl.where(a > cap, cap, a)
             tl.store(part + (tiles + tile) * n + rows, tl.sum(tl.sum(a, axis=2), axis=1), mask=row_ok)
             acc_m += a
             u = mm / (tl.sqrt(v) + eps)
@@ -162,6 +173,8 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, lr, beta1, b
         tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
     col_part = part + 2 * tiles * n + band * m
     tl.store(col_part + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
+    bad = tl.sum(tl.sum(tl.sum(any_bad.to(tl.int32), axis=2), axis=1), axis=0)
+    tl.atomic_add(bad_ptr, bad, mask=bad > 0)
     if HAS_M:
         tl.store(col_part + bands * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
 
@@ -232,15 +245,16 @@ def _layout(shapes: tuple[tuple[int, int], ...], has_m: bool, device: torch.devi
 
 def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
     return (dtype, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.decoupled_weight_decay,
-            cfg.maximize, cfg.stochastic_rounding and dtype == torch.bfloat16)
+            cfg.maximize, cfg.zero_nonfinite, cfg.stochastic_rounding and dtype == torch.bfloat16)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> None:
+def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> Optional[Tensor]:
     """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch per distinct
-    (dtype, cfg) among them."""
+    (dtype, cfg, alignment) among them. Returns a CUDA counter of NaN/inf gradient elements (a lower
+    bound; not synchronized), or None when none of the configs zeroes them."""
     launches: dict[tuple, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
     copies_back = []
     for param, grad, state, cfg in items:
@@ -255,6 +269,9 @@ def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConf
         if g.dtype != weight.dtype or not g.is_contiguous():
             g = g.to(weight.dtype).contiguous()
         launches.setdefault(_config_key(cfg, weight.dtype), []).append((weight, g, state, cfg))
+    if not launches:
+        return None
+    bad = torch.zeros(1, dtype=torch.int32, device=next(iter(launches.values()))[0][0].device)
     for key, tensors in launches.items():
         has_m = tensors[0][3].beta1 is not None
         # Without a first moment there are no sign bits, and every tensor takes the aligned code.
@@ -262,13 +279,18 @@ def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConf
         unaligned = [x for x in tensors if has_m and matrix_shape(x[0])[1] % 8 != 0]
         for group, is_aligned in ((aligned, True), (unaligned, False)):
             if group:
-                _launch(group, dtype=key[0], stochastic=key[-1], aligned=is_aligned)
+                _launch(group, bad, dtype=key[0], stochastic=key[-1], aligned=is_aligned)
     for weight, copy in copies_back:
         weight.copy_(copy)
+    return bad if any(cfg.zero_nonfinite for _, _, _, cfg in items) else None
 
 
 def _launch(
-    tensors: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]], dtype: torch.dtype, stochastic: bool, aligned: bool
+    tensors: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]],
+    bad: Tensor,
+    dtype: torch.dtype,
+    stochastic: bool,
+    aligned: bool,
 ) -> None:
     cfg = tensors[0][3]
     has_m = cfg.beta1 is not None
@@ -291,13 +313,13 @@ def _launch(
     words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
     decoupled = cfg.decoupled_weight_decay
     _step_kernel[(item_tensor.numel(),)](
-        meta, item_tensor, partial, words,
+        meta, item_tensor, partial, words, bad,
         cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
         -1.0 if cfg.maximize else 1.0,
         1.0 - cfg.lr * cfg.weight_decay if decoupled else 1.0,
         0.0 if decoupled else cfg.weight_decay,
         int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
-        W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic,
+        W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic, ZERO_BAD=cfg.zero_nonfinite,
         BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS,
     )
     copiers = 0 if aligned else COPY_PROGRAMS
@@ -306,9 +328,9 @@ def _launch(
     )
 
 
-def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> None:
+def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Optional[Tensor]:
     """The fused step of one tensor: same contract as :func:`smmf.functional.torch_step_`."""
-    triton_steps_([(param, grad, state, cfg)])
+    return triton_steps_([(param, grad, state, cfg)])
 
 
 triton_step_.batched = triton_steps_  # type: ignore[attr-defined]
