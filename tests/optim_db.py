@@ -23,10 +23,18 @@ class ErrorInput:
 
 
 @dataclass(frozen=True)
+class OptimizerInput:
+    """Constructor kwargs of one variant, with a readable ``desc`` for test ids (as torch's)."""
+
+    desc: str
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class OptimizerInfo:
     name: str
     factory: Callable[..., torch.optim.Optimizer]
-    inputs: list[dict[str, Any]]  # constructor kwargs, each a variant every generic test runs
+    inputs: list[OptimizerInput]  # the variants every generic test runs
     error_inputs: list[ErrorInput] = field(default_factory=list)
     supports_complex: bool = True
     atomic_step: bool = True  # a rejected step leaves the state untouched (Adam builds state first)
@@ -36,14 +44,14 @@ class OptimizerInfo:
         return f"{self.name}-{self.device}"
 
 
-SMMF_INPUTS: list[dict[str, Any]] = [
-    {},
-    {"lr": 1e-2, "weight_decay": 0.1},
-    {"lr": 1e-2, "weight_decay": 1e-4, "weight_decay_mode": "adam"},
-    {"beta": None, "growth_rate": None},
-    {"vector_reshape": False, "decay_rate": -0.8},
-    {"maximize": True},
-    {"lr": torch.tensor(1e-3)},
+SMMF_INPUTS: list[OptimizerInput] = [
+    OptimizerInput("default", {}),
+    OptimizerInput("adamw_decay", {"lr": 1e-2, "weight_decay": 0.1}),
+    OptimizerInput("adam_l2_decay", {"lr": 1e-2, "weight_decay": 1e-4, "weight_decay_mode": "adam"}),
+    OptimizerInput("no_first_moment", {"beta": None, "growth_rate": None}),
+    OptimizerInput("dense_vectors", {"vector_reshape": False, "decay_rate": -0.8}),
+    OptimizerInput("maximize", {"maximize": True}),
+    OptimizerInput("tensor_lr", {"lr": torch.tensor(1e-3)}),
 ]
 
 SMMF_ERRORS: list[ErrorInput] = [
@@ -67,7 +75,12 @@ optim_db: list[OptimizerInfo] = [
         OptimizerInfo(
             "Adam",
             torch.optim.Adam,
-            inputs=[{}, {"lr": 1e-2, "weight_decay": 0.1}, {"maximize": True}, {"lr": torch.tensor(1e-3)}],
+            inputs=[
+                OptimizerInput("default", {}),
+                OptimizerInput("weight_decay", {"lr": 1e-2, "weight_decay": 0.1}),
+                OptimizerInput("maximize", {"maximize": True}),
+                OptimizerInput("tensor_lr", {"lr": torch.tensor(1e-3)}),
+            ],
             error_inputs=[ErrorInput({"lr": -1.0}, ValueError, r"Invalid learning rate: -1.0")],
             atomic_step=False,
             device=device,

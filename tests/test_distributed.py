@@ -44,15 +44,13 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path) -> None:
         torch.testing.assert_close(straight, ps, rtol=0, atol=1e-12)
         assert torch.equal(straight, resumed)  # DCP round trip continues exactly
         moved += 1
-    assert moved == len(single)
-    assert all(b > 0 for b in result["sign_bytes"])
+    assert moved == len(single) > 0
+    assert len(result["sign_bytes"]) > 0 and all(b > 0 for b in result["sign_bytes"])
 
 
 def test_fsdp1_flat_parameters_are_rejected(tmp_path) -> None:
-    try:
-        _spawn(dist_workers.fsdp1_flat_worker, tmp_path)
-    except Exception as err:  # pragma: no cover - FSDP1 unavailable on this build
-        pytest.skip(f"FSDP1 could not start on CPU: {err}")
+    pytest.importorskip("torch.distributed.fsdp")  # the only reason to skip: no FSDP1 in this build
+    _spawn(dist_workers.fsdp1_flat_worker, tmp_path)  # a worker's error fails the test
     messages = torch.load(tmp_path / "fsdp1.pt")["messages"]
     assert len(messages) == 2  # use_orig_params False and True: both flatten
     assert all(m is not None and "flattened by FSDP1" in m and "fully_shard" in m for m in messages)

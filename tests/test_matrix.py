@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smmf.matrix import beta1_at, beta2_at, nnmf, pack_signs, packed_sign_bytes, square_matricize_shape
+from smmf.matrix import nnmf, pack_signs, packed_sign_bytes, square_matricize_shape
+from smmf.schedules import beta1_at, beta2_at
 
 
 def _brute_force_min_perimeter(numel: int) -> int:

@@ -11,8 +11,8 @@ import torch
 
 from optim_db import OptimizerInfo, optim_db
 
-CASES = [(info, kwargs) for info in optim_db for kwargs in info.inputs]
-CASE_IDS = [f"{info}-{i}" for info in optim_db for i in range(len(info.inputs))]
+CASES = [(info, variant.kwargs) for info in optim_db for variant in info.inputs]
+CASE_IDS = [f"{info}-{variant.desc}" for info in optim_db for variant in info.inputs]
 parametrize_cases = pytest.mark.parametrize("info,kwargs", CASES, ids=CASE_IDS)
 parametrize_infos = pytest.mark.parametrize("info", optim_db, ids=str)
 

@@ -9,7 +9,8 @@ import torch
 
 from smmf.functional import StepConfig, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
-from smmf.matrix import beta1_at, beta2_at, unpack_signs
+from smmf.matrix import unpack_signs
+from smmf.schedules import beta1_at, beta2_at
 from smmf.state import init_state
 
 # Aligned widths (64×48, 32×24, 256×128: several tiles) and widths that are not a multiple of 8

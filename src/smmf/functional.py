@@ -1,8 +1,10 @@
-"""One SMMF step on one tensor, in plain torch: the readable path and the fallback of the kernels.
+"""One SMMF step on one tensor, in plain torch: the readable path, and the fallback of the kernels.
 
-The step follows Alg. 1 of the paper with the decompression → compression scheme: the previous
-momenta are rebuilt from their factors, updated with the current gradient, compressed again, and
-the *uncompressed* momenta of this step drive the weight update.
+:func:`_factored_update` is Alg. 1 of the paper for one n×m matrix, line by line: decompress the
+momenta from their factors and sign bits, update them with this step's gradient, compress them
+again, and return the step direction built from the *uncompressed* momenta. FSDP2 shards run the
+same algorithm on their band of rows in :mod:`smmf.distributed`; the fused kernels in
+:mod:`smmf.kernels` are tested against this file.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ from .state import (
     ROW_V,
     SIGN_M,
     factor_dtype,
-    matrix_shape,
     real_view,
 )
 
-__all__ = ["StepConfig", "Band", "torch_step_", "write_back_"]
+__all__ = ["StepConfig", "torch_step_", "write_back_"]
 
-# Sums partial row/column sums across the ranks that share a matrix (identity on one device).
-Reducer = Callable[[list[Tensor]], list[Tensor]]
+# The update of the factored state from a flat gradient: returns the flat step direction.
+MatrixUpdate = Callable[[Tensor, dict[str, Any], "StepConfig"], Tensor]
 
 
 @dataclass(frozen=True)
@@ -47,93 +48,58 @@ class StepConfig:
     stochastic_rounding: bool
     zero_nonfinite: bool = True  # NaN/inf gradient elements count as 0 (else they propagate)
 
-
-@dataclass(frozen=True)
-class Band:
-    """The part of the n×m matrix that a tensor holds: rows ``[row0, row1)``, of whose row-major
-    flattening the tensor owns ``numel`` elements from ``first`` on (a shard's first and last rows
-    may be partial). A whole tensor is ``Band(n, m, 0, n, 0, n·m)``."""
-
-    rows: int
-    cols: int
-    row0: int
-    row1: int
-    first: int
-    numel: int
-
-    @classmethod
-    def whole(cls, rows: int, cols: int) -> "Band":
-        return cls(rows, cols, 0, rows, 0, rows * cols)
-
-    @classmethod
-    def of_range(cls, rows: int, cols: int, start: int, numel: int) -> "Band":
-        row0 = start // cols if cols else 0
-        row1 = -(-(start + numel) // cols) if numel else row0
-        return cls(rows, cols, row0, row1, start - row0 * cols, numel)
-
-    @property
-    def padded(self) -> bool:
-        return self.first != 0 or self.numel != (self.row1 - self.row0) * self.cols
-
-    def to_matrix(self, flat: Tensor) -> Tensor:
-        if not self.padded:
-            return flat.view(self.row1 - self.row0, self.cols)
-        out = flat.new_zeros(self.row1 - self.row0, self.cols)
-        out.view(-1)[self.first : self.first + self.numel] = flat
-        return out
-
-    def owned(self, matrix: Tensor) -> Tensor:
-        """The owned elements of a band matrix, flat."""
-        return matrix.reshape(-1)[self.first : self.first + self.numel]
-
-    def zero_padding_(self, matrix: Tensor) -> None:
-        if self.padded:
-            flat = matrix.view(-1)
-            flat[: self.first] = 0
-            flat[self.first + self.numel :] = 0
+    def folded(self) -> tuple[float, float, float]:
+        """``(gsign, shrink, l2)``: maximize and weight decay as every path applies them —
+        ``W ← shrink·W`` (decoupled decay), then ``G ← gsign·G + l2·W`` (coupled, L2)."""
+        decoupled = self.decoupled_weight_decay
+        return (
+            -1.0 if self.maximize else 1.0,
+            1.0 - self.lr * self.weight_decay if decoupled else 1.0,
+            0.0 if decoupled else self.weight_decay,
+        )
 
 
 def torch_step_(
-    param: Tensor,
-    grad: Tensor,
-    state: dict[str, Any],
-    cfg: StepConfig,
-    band: Optional[Band] = None,
-    reduce: Optional[Reducer] = None,
+    param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, matrix_update: Optional[MatrixUpdate] = None
 ) -> int:
     """Update ``param`` and its ``state`` in place (``state['step']`` already advanced); return the
     number of NaN/inf gradient elements that were treated as zero (``cfg.zero_nonfinite``).
 
-    ``band`` and ``reduce`` serve sharded parameters (see :mod:`smmf.sharding`): ``param`` is then
-    this rank's shard of a larger matrix, and ``reduce`` sums partial row/column sums over ranks.
+    ``matrix_update`` replaces the whole-matrix update: :mod:`smmf.distributed` passes the one of a
+    shard's band of rows.
     """
-    work_dtype = factor_dtype(param)
     weight = real_view(param)
     # Logical row-major order: channels_last and other strided params are copied once.
-    work = weight.to(work_dtype).contiguous()
-    g = real_view(grad).to(work_dtype).contiguous()
-    if cfg.maximize:
+    work = weight.to(factor_dtype(param)).contiguous()
+    g, nonfinite = prepare_grad_(grad, work, cfg)
+    if EXP_AVG_SQ in state:
+        update = _dense_update(g, state, cfg)
+    else:
+        update = (matrix_update or _whole_matrix_update)(g.view(-1), state, cfg)
+    work.add_(update.view_as(work), alpha=-cfg.lr)
+    if work is not weight:
+        write_back_(weight, work, cfg.stochastic_rounding)
+    return nonfinite
+
+
+def prepare_grad_(grad: Tensor, work: Tensor, cfg: StepConfig) -> tuple[Tensor, int]:
+    """G in ``work``'s dtype with maximize, non-finite elements and L2 decay applied (never in
+    ``grad`` itself), and ``work`` shrunk in place by decoupled decay; plus the non-finite count."""
+    gsign, shrink, l2 = cfg.folded()
+    g = real_view(grad).to(work.dtype).contiguous()
+    if gsign < 0:
         g = -g
     nonfinite = 0
     if cfg.zero_nonfinite:
         bad = g.isfinite().logical_not_()
         nonfinite = int(bad.sum())
         if nonfinite:
-            g = g.masked_fill(bad, 0.0)  # out of place: never touch p.grad
-    if cfg.weight_decay != 0.0:
-        if cfg.decoupled_weight_decay:
-            work.mul_(1.0 - cfg.lr * cfg.weight_decay)
-        else:
-            g = g.add(work, alpha=cfg.weight_decay)  # out of place: never touch p.grad
-    if EXP_AVG_SQ in state:
-        update = _dense_update(g, state, cfg)
-    else:
-        band = band or Band.whole(*matrix_shape(param))
-        update = band.owned(_factored_update(band.to_matrix(g.view(-1)), state, cfg, band, reduce))
-    work.add_(update.view_as(work), alpha=-cfg.lr)
-    if work is not weight:
-        write_back_(weight, work, cfg.stochastic_rounding)
-    return nonfinite
+            g = g.masked_fill(bad, 0.0)
+    if shrink != 1.0:
+        work.mul_(shrink)
+    if l2:
+        g = g.add(work, alpha=l2)
+    return g, nonfinite
 
 
 def _dense_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
@@ -147,43 +113,48 @@ def _dense_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
     return exp_avg / denom
 
 
-def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Optional[Reducer]) -> Tensor:
-    rows = slice(band.row0, band.row1)
-    # Second moment: decompress, update; this step's V drives the update.
-    v = torch.outer(state[ROW_V][rows], state[COL_V])
-    v.mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
-    band.zero_padding_(v)
-    moments = [(ROW_V, COL_V, v)]
+def _whole_matrix_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
+    rows, cols = state[ROW_V].numel(), state[COL_V].numel()
+    return _factored_update(g.view(rows, cols), state, cfg).view(-1)
+
+
+def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
+    """Alg. 1 on one n×m gradient matrix ``g``; returns the direction ``M / (√V + ε)``
+    (``G / (√V + ε)`` without a first moment)."""
+    # Decompress and update: V = β2·(r_V c_Vᵀ) + (1 − β2)·G²;  M = β1·(S ⊙ r_M c_Mᵀ) + (1 − β1)·G.
+    v = torch.outer(state[ROW_V], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
+    m = None
     if cfg.beta1 is not None:
-        # First moment: |M| from its factors, the sign from the 1-bit matrix.
-        magnitude = torch.outer(state[ROW_M][rows], state[COL_M])
-        nonneg = band.to_matrix(unpack_signs(state[SIGN_M], band.numel))
-        m = torch.where(nonneg, magnitude, -magnitude)
-        m.mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
-        band.zero_padding_(m)
-        packed = pack_signs(band.owned(m) >= 0)
-        state[SIGN_M][: packed.numel()].copy_(packed)
-        moments.append((ROW_M, COL_M, m.abs()))
-    _compress(state, band, moments, reduce)
+        m = decompress_momentum(state, g.shape).mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
+        # Compress M: its signs, 1 bit each, and the rank-1 NNMF of |M|.
+        state[SIGN_M].copy_(pack_signs(m >= 0))
+        store_factors_(state, ROW_M, COL_M, *factor_sums(m.abs()))
+    # Compress V: rank-1 NNMF.
+    store_factors_(state, ROW_V, COL_V, *factor_sums(v))
+    # The step uses this step's uncompressed M and V.
     denom = v.sqrt_().add_(cfg.eps)
-    return g.div(denom) if cfg.beta1 is None else m.div_(denom)
+    return g / denom if m is None else m.div_(denom)
 
 
-def _compress(state: dict[str, Any], band: Band, moments: list[tuple[str, str, Tensor]], reduce: Optional[Reducer]) -> None:
-    """Rank-1 NNMF of each moment: row sums and column sums / total (summed over ranks first)."""
-    sums: list[Tensor] = []
-    cap = factor_sum_cap(band.rows * band.cols, moments[0][2].dtype)
-    for _, _, matrix in moments:
-        capped = matrix.clamp(max=cap)
-        rows = matrix.new_zeros(band.rows)
-        rows[band.row0 : band.row1] = capped.sum(dim=1)  # other ranks' rows stay 0 until reduced
-        sums += [rows, capped.sum(dim=0)]
-    if reduce is not None:
-        sums = reduce(sums)
-    for (row_key, col_key, _), rows, cols in zip(moments, sums[::2], sums[1::2]):
-        rows, cols = nnmf_from_sums(rows, cols)
-        state[row_key].copy_(rows)
-        state[col_key].copy_(cols)
+def decompress_momentum(state: dict[str, Any], shape: torch.Size) -> Tensor:
+    """``M̂ = S ⊙ r_M c_Mᵀ``: the magnitude from the factors, the sign from the bits."""
+    magnitude = torch.outer(state[ROW_M], state[COL_M])
+    nonneg = unpack_signs(state[SIGN_M], magnitude.numel()).view(shape)
+    return torch.where(nonneg, magnitude, -magnitude)
+
+
+def factor_sums(matrix: Tensor, numel: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Row and column sums of a non-negative matrix, each element capped at
+    :func:`smmf.matrix.factor_sum_cap` (of a matrix of ``numel`` elements, by default its own)."""
+    capped = matrix.clamp(max=factor_sum_cap(matrix.numel() if numel is None else numel, matrix.dtype))
+    return capped.sum(dim=1), capped.sum(dim=0)
+
+
+def store_factors_(state: dict[str, Any], row_key: str, col_key: str, row_sums: Tensor, col_sums: Tensor) -> None:
+    """The rank-1 NNMF from the sums (``smmf.matrix.nnmf_from_sums``), into the state."""
+    rows, cols = nnmf_from_sums(row_sums, col_sums)
+    state[row_key].copy_(rows)
+    state[col_key].copy_(cols)
 
 
 def write_back_(dst: Tensor, src: Tensor, stochastic_rounding: bool) -> None:

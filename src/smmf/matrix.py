@@ -1,4 +1,4 @@
-"""The math of SMMF on plain tensors: shape choice, rank-1 NNMF, sign packing, schedules.
+"""The math of SMMF on plain tensors: shape choice, rank-1 NNMF, sign packing.
 
 Everything here is pure (no optimizer state, no dispatch) so that the torch path, the fused
 kernels, the memory predictor and the tests all share one definition.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -21,8 +20,6 @@ __all__ = [
     "unpack_signs",
     "packed_sign_bytes",
     "factor_sum_cap",
-    "beta1_at",
-    "beta2_at",
 ]
 
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
@@ -91,15 +88,3 @@ def unpack_signs(packed: Tensor, numel: int) -> Tensor:
     shifts = _BIT_SHIFTS.to(packed.device)
     bits = (packed.reshape(-1, 1) >> shifts) & 1
     return bits.reshape(-1)[:numel].bool()
-
-
-def beta1_at(beta: float, growth_rate: Optional[float], step: int) -> float:
-    """First-moment coefficient ``β1·λ^(t-1)`` (AdamNC schedule); constant when ``λ`` is None."""
-    if growth_rate is None:
-        return beta
-    return beta * growth_rate ** (step - 1)
-
-
-def beta2_at(decay_rate: float, step: int) -> float:
-    """Second-moment coefficient ``1 - t^γ`` (Adafactor schedule); ``β2_1 = 0``."""
-    return 1.0 - step**decay_rate

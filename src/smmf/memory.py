@@ -12,6 +12,7 @@ caching allocator does (512 B); the paper's figures were measured that way.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from .sharding import local as local_shard
 from .state import state_layout
+from .table import format_table
 
 __all__ = ["OPTIMIZERS", "state_bytes", "predict_state_tensors", "predict_state_bytes", "report", "MemoryReport"]
 
@@ -30,7 +32,14 @@ CUDA_ALLOCATOR_BLOCK = 512
 Shape = tuple[int, ...]
 ShapesLike = Union[torch.nn.Module, Iterable[Tensor], Iterable[Shape]]
 
-_SMMF_DEFAULTS = dict(beta=0.9, vector_reshape=True)
+
+
+def _smmf_defaults() -> dict[str, object]:
+    """SMMF's constructor defaults: the predictor's options unless told otherwise."""
+    from .optimizer import SMMF
+
+    return {name: p.default for name, p in inspect.signature(SMMF.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def _round_up(nbytes: int, block: int) -> int:
@@ -68,7 +77,7 @@ def predict_state_tensors(shape: Shape, optimizer: str, itemsize: int = 4, **smm
         return [dense, *covers]
     if optimizer == "smmf":
         param = torch.empty(shape, device="meta", dtype=_dtype_of(itemsize))
-        layout = state_layout(param, {**_SMMF_DEFAULTS, **smmf_options})
+        layout = state_layout(param, {**_smmf_defaults(), **smmf_options})
         return [math.prod(spec.shape) * spec.dtype.itemsize for spec in layout.values()]
     raise ValueError(f"Unknown optimizer: {optimizer!r}. It needs to be one of {list(OPTIMIZERS)}")
 
@@ -112,8 +121,6 @@ class MemoryReport:
     allocated: dict[str, int]
 
     def table(self, fmt: str = "table") -> str:
-        from .bench.table import format_table
-
         adam = self.exact.get("adam")
         rows = [
             [name, self.exact[name] / 2**20, self.allocated[name] / 2**20, adam / self.exact[name] if adam else None]

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from .functional import StepConfig
 from .kernels import check_backend, step_kernel
-from .matrix import beta1_at, beta2_at
+from .schedules import beta1_at, beta2_at
 from .state import STEP, check_loaded_state, check_state_fits, init_state, state_layout
 
 __all__ = ["SMMF"]

@@ -20,6 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from .matrix import packed_sign_bytes
+
 
 def is_dtensor(t: object) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
@@ -52,13 +54,13 @@ def shard_info(param: Tensor) -> Optional[ShardInfo]:
     shape = tuple(param.shape)
     if placements == (Replicate(),):
         numel = math.prod(shape)
-        return ShardInfo(mesh, 0, numel, (numel + 7) // 8, world, sharded=False)
+        return ShardInfo(mesh, 0, numel, packed_sign_bytes(numel), world, sharded=False)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     inner = math.prod(shape[1:])
     largest = -(-shape[0] // world) * inner if shape else 1
-    return ShardInfo(mesh, offset[0] * inner if shape else 0, math.prod(local_shape), (largest + 7) // 8, world, True)
+    return ShardInfo(mesh, offset[0] * inner if shape else 0, math.prod(local_shape), packed_sign_bytes(largest), world, True)
 
 
 def as_state(local: Tensor, info: ShardInfo, sharded: bool) -> Tensor:

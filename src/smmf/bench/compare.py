@@ -23,7 +23,7 @@ from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
-from .table import format_table
+from ..table import format_table
 from .tasks import TASKS, Task
 
 
@@ -179,7 +179,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser = parser or OneLineParser(prog=PROG, description=__doc__)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
-                        help="comma-separated, of adam, adafactor, sm3, came, smmf, adafactor-torch")
+                        help=f"comma-separated, of {', '.join(optimizer_specs('cnn'))}")
     parser.add_argument("--steps", type=int, help="training steps per run (default: per task)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/compare", help="output directory")

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .. import SMMF
+from ..memory import OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
     }
 
 
-DEFAULT_OPTIMIZERS = ("adam", "adafactor", "sm3", "came", "smmf")
+DEFAULT_OPTIMIZERS = OPTIMIZERS  # the paper's five; "adafactor-torch" is opt-in
 
 
 def parse_opt_args(items: list[str]) -> dict[str, dict[str, Any]]:

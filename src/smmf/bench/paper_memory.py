@@ -23,7 +23,7 @@ from . import models
 from .args import OneLineParser, fail
 from .models import ModelSpec
 from .progress import progress
-from .table import format_table
+from ..table import format_table
 
 ALL = OPTIMIZERS  # adam, adafactor, sm3, came, smmf
 

@@ -20,15 +20,10 @@ def gpt2_xl_like_shapes() -> list[Shape]:
 
 
 def resnet50_shapes(num_labels: int = 1000) -> list[Shape]:
-    """ResNet-50's trainable parameter shapes (transformers' ResNet, built on the meta device)."""
-    from transformers import ResNetConfig, ResNetForImageClassification
+    """ResNet-50's trainable parameter shapes (the paper-table model, built on the meta device)."""
+    from .models import resnet50
 
-    config = ResNetConfig(
-        depths=[3, 4, 6, 3], hidden_sizes=[256, 512, 1024, 2048], layer_type="bottleneck", num_labels=num_labels
-    )
-    with torch.device("meta"):
-        model = ResNetForImageClassification(config)
-    return [tuple(p.shape) for p in model.parameters()]
+    return [tuple(p.shape) for p in resnet50(num_labels).parameters()]
 
 
 def make_params(

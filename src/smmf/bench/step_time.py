@@ -30,7 +30,7 @@ from .args import OneLineParser, comma_list, cuda_or_fail, fail
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
 from .shapes import gpt2_like_shapes, gpt2_xl_like_shapes, make_params, resnet50_shapes
-from .table import format_table
+from ..table import format_table
 
 OptimFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 PEAK_SHAPE = (8192, 4096)

@@ -66,7 +66,7 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     raises ``RuntimeError``.
     """
     if is_dtensor(param):
-        from .sharded import sharded_step_
+        from ..distributed import sharded_step_
 
         shard_info(param)  # unsupported placements fail here, before any update
         return sharded_step_

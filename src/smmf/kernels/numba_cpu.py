@@ -159,6 +159,27 @@ def _make_kernel(load, store, parallel):
     def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, bad_counts,
                n, m, rows_per_block, lr, beta1, has_m, beta2, eps, gsign, shrink, l2, sr, sign_table,
                zero_bad, big, cap):
+        """One SMMF step of one n×m matrix, in place.
+
+        Arrays (flat, row-major; "work" is float32, or float64 for fp64 params):
+          w, g             the weight and gradient, n·m elements: work dtype, or int16 bit patterns of
+                           bf16 (``load``/``store`` convert); w is read and written, g only read
+          signs            uint8, ceil(n·m/8): the sign bits of M, bit k%8 of byte k//8 set when
+                           element k is ≥ 0 — the layout :func:`smmf.matrix.pack_signs` specifies
+          row_m, col_m     work dtype, n and m: the factors of |M| (unused without a first moment)
+          row_v, col_v     work dtype, n and m: the factors of V
+          col_acc_m/_v     work dtype, blocks × m: scratch for each block's column sums
+          bad_counts       int64, blocks: NaN/inf gradient elements each block met
+          sign_table       work dtype, 256 × 8: ±1 for each bit of each byte value
+        Scalars: rows_per_block; lr; beta1, beta2 (this step's β1_t, β2_t; has_m False: no first
+        moment); eps; gsign, shrink, l2 from :meth:`StepConfig.folded`; sr: stochastic rounding
+        (bf16); zero_bad: NaN/inf gradient elements count as 0; big: the work dtype's largest
+        finite value; cap: :func:`smmf.matrix.factor_sum_cap`.
+
+        Invariants: every block starts on a byte of ``signs`` (rows_per_block·m is a multiple of
+        8), so no two threads write one byte; sums run in a fixed order for a given block layout, which
+        depends on the thread count only: runs with the same count are bit-identical.
+        """
         nblocks = col_acc_v.shape[0]
         aligned = m % 8 == 0  # every row starts and ends on a byte of the packed signs
         for b in numba.prange(nblocks):
@@ -271,7 +292,6 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     col_acc_v = torch.empty((blocks, cols), dtype=dtype)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     scalar = np.float64 if dtype == torch.float64 else np.float32
-    decoupled = cfg.decoupled_weight_decay
     parallel = rows * cols >= _PARALLEL_MIN_NUMEL
     kernel = _KERNELS[param.dtype == torch.bfloat16, parallel]
     empty = torch.empty(0, dtype=dtype)
@@ -294,9 +314,7 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
         has_m,
         scalar(cfg.beta2),
         scalar(cfg.eps),
-        scalar(-1.0 if cfg.maximize else 1.0),
-        scalar(1.0 - cfg.lr * cfg.weight_decay if decoupled else 1.0),
-        scalar(0.0 if decoupled else cfg.weight_decay),
+        *(scalar(x) for x in cfg.folded()),
         cfg.stochastic_rounding,
         _SIGN_TABLES[scalar],
         cfg.zero_nonfinite,

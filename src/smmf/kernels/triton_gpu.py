@@ -19,7 +19,7 @@ uninterrupted one):
 2. ``_finish_kernel``: per tensor and moment, sums the partials in a fixed order and writes the row
    factors and the column factors divided by the total (``smmf.matrix.nnmf_from_sums``).
 
-Sign bits: when m̂ is a multiple of 8 every row is whole sign bytes and a tile reads and writes its
+Sign bits are laid out as :func:`smmf.matrix.pack_signs` specifies. When m̂ is a multiple of 8 every row is whole sign bytes and a tile reads and writes its
 own bytes. Otherwise a byte can straddle two tiles; the kernel then ORs the new bits, 32 at a time,
 into a zeroed int32 scratch (OR commutes, so this stays deterministic), which the finish kernel
 copies over the state: N/8 extra bytes for those tensors only.
@@ -69,6 +69,7 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     elements, which count as zero when ``ZERO_BAD``. What one element adds to a factor sum is capped
     (``smmf.matrix.factor_sum_cap``), so finite gradients keep the factors finite. A tile is held as (BR, BC/8, 8): the last axis is one sign
     byte, so bits unpack and pack without reshaping. ``ALIGNED``: every tensor's m is a multiple of 8."""
+    tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
     BB: tl.constexpr = BC // 8
     item = tl.program_id(0)
     t = tl.load(item_tensor_ptr + item)
@@ -311,13 +312,10 @@ def _launch(
     meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
     partial = torch.empty(partial_numel, dtype=torch.float32, device=device)
     words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
-    decoupled = cfg.decoupled_weight_decay
     _step_kernel[(item_tensor.numel(),)](
         meta, item_tensor, partial, words, bad,
         cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
-        -1.0 if cfg.maximize else 1.0,
-        1.0 - cfg.lr * cfg.weight_decay if decoupled else 1.0,
-        0.0 if decoupled else cfg.weight_decay,
+        *cfg.folded(),
         int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
         W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic, ZERO_BAD=cfg.zero_nonfinite,
         BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS,

@@ -1,0 +1,119 @@
+"""SMMF on DTensor parameters (FSDP2 ``fully_shard``): Alg. 1 on this rank's band of rows.
+
+A parameter sharded on dim 0 owns a contiguous range of the row-major flattening of its n̂×m̂ matrix,
+hence a band of rows (the first and last possibly partial). :func:`sharded_step_` runs the torch
+path on that band — the same lines as :func:`smmf.functional._factored_update`, with padding kept
+at zero — and sums the partial row and column sums over ranks with one all-reduce, so the factors,
+and therefore the update, are the single-device ones. Placement and checkpoint layout:
+:mod:`smmf.sharding`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .functional import StepConfig, factor_sums, store_factors_, torch_step_
+from .matrix import pack_signs, unpack_signs
+from .sharding import local, shard_info
+from .state import COL_M, COL_V, EXP_AVG_SQ, ROW_M, ROW_V, SIGN_M, matrix_shape
+
+__all__ = ["Band", "sharded_step_"]
+
+# Sums partial row/column sums across the ranks that share a matrix.
+Reducer = Callable[[list[Tensor]], list[Tensor]]
+
+
+@dataclass(frozen=True)
+class Band:
+    """The part of the n×m matrix that a tensor holds: rows ``[row0, row1)``, of whose row-major
+    flattening the tensor owns ``numel`` elements from ``first`` on (a shard's first and last rows
+    may be partial)."""
+
+    rows: int
+    cols: int
+    row0: int
+    row1: int
+    first: int
+    numel: int
+
+    @classmethod
+    def of_range(cls, rows: int, cols: int, start: int, numel: int) -> "Band":
+        row0 = start // cols if cols else 0
+        row1 = -(-(start + numel) // cols) if numel else row0
+        return cls(rows, cols, row0, row1, start - row0 * cols, numel)
+
+    @property
+    def padded(self) -> bool:
+        return self.first != 0 or self.numel != (self.row1 - self.row0) * self.cols
+
+    def to_matrix(self, flat: Tensor) -> Tensor:
+        if not self.padded:
+            return flat.view(self.row1 - self.row0, self.cols)
+        out = flat.new_zeros(self.row1 - self.row0, self.cols)
+        out.view(-1)[self.first : self.first + self.numel] = flat
+        return out
+
+    def owned(self, matrix: Tensor) -> Tensor:
+        """The owned elements of a band matrix, flat."""
+        return matrix.reshape(-1)[self.first : self.first + self.numel]
+
+    def zero_padding_(self, matrix: Tensor) -> None:
+        if self.padded:
+            flat = matrix.view(-1)
+            flat[: self.first] = 0
+            flat[self.first + self.numel :] = 0
+
+
+def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
+    """The step of a DTensor parameter: same contract as :func:`smmf.functional.torch_step_`."""
+    info = shard_info(param)
+    assert info is not None, "sharded_step_ takes DTensor parameters"
+    local_state = {key: local(value) for key, value in state.items()}
+    weight, local_grad = local(param), local(grad)
+    if EXP_AVG_SQ in state or not info.sharded:  # elementwise, or every rank holds it all
+        return torch_step_(weight, local_grad, local_state, cfg)
+    rows, cols = matrix_shape(param)
+    group = info.mesh.get_group()
+
+    def all_reduce(sums: list[Tensor]) -> list[Tensor]:
+        flat = torch.cat(sums)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        return list(flat.split([s.numel() for s in sums]))
+
+    band = Band.of_range(rows, cols, info.start, info.numel)
+    return torch_step_(weight, local_grad, local_state, cfg, matrix_update=partial(band_update, band=band, reduce=all_reduce))
+
+
+def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Reducer) -> Tensor:
+    """:func:`smmf.functional._factored_update` on a band: the owned elements' direction, flat."""
+    g = band.to_matrix(g_flat)
+    rows = slice(band.row0, band.row1)
+    v = torch.outer(state[ROW_V][rows], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
+    band.zero_padding_(v)
+    moments = [(ROW_V, COL_V, v)]
+    m = None
+    if cfg.beta1 is not None:
+        magnitude = torch.outer(state[ROW_M][rows], state[COL_M])
+        nonneg = band.to_matrix(unpack_signs(state[SIGN_M], band.numel))
+        m = torch.where(nonneg, magnitude, -magnitude).mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
+        band.zero_padding_(m)
+        packed = pack_signs(band.owned(m) >= 0)
+        state[SIGN_M][: packed.numel()].copy_(packed)
+        moments.append((ROW_M, COL_M, m.abs()))
+    sums: list[Tensor] = []
+    for _, _, matrix in moments:
+        row_sums, col_sums = factor_sums(matrix, numel=band.rows * band.cols)
+        full_rows = matrix.new_zeros(band.rows)
+        full_rows[rows] = row_sums  # other ranks' rows stay 0 until reduced
+        sums += [full_rows, col_sums]
+    sums = reduce(sums)
+    for (row_key, col_key, _), row_sums, col_sums in zip(moments, sums[::2], sums[1::2]):
+        store_factors_(state, row_key, col_key, row_sums, col_sums)
+    denom = v.sqrt_().add_(cfg.eps)
+    return band.owned(g.div(denom) if m is None else m.div_(denom))
