@@ -12,6 +12,8 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -21,7 +23,7 @@ import torch
 from ..memory import state_bytes
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
-from .procfs import reset_peak_rss, status_kib
+from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
 from ..table import format_table
 from .tasks import TASKS, Task
@@ -55,6 +57,13 @@ class PeakMemory:
         return None if hwm is None else max(0, hwm * 1024 - self.base)
 
 
+# Peak memory is read over the first steps (optimizer state and activations all exist by then)
+# with large blocks mmap-ed, so the figure is stable; the rest runs with glibc's usual heap.
+PEAK_STEPS = 10
+PINNED_MMAP_THRESHOLD = 128 << 10
+FAST_MMAP_THRESHOLD = 32 << 20
+
+
 def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval_every: int, seed: int,
               device: torch.device, show_progress: bool = True) -> dict[str, Any]:
     spec = optimizer_specs(task.kind)[name]
@@ -65,7 +74,9 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
     scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, min(100, max(1, steps // 10))))
                  if spec.scheduled else None)
     batches = task.batches(seed, device)
+    pinned = os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(PINNED_MMAP_THRESHOLD)
     peak = PeakMemory(device)
+    peak_bytes = None
     losses: list[float] = []
     evals: list[dict[str, float]] = []
     step_ms: list[float] = []
@@ -86,8 +97,13 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
         end = time.perf_counter()
         if scheduler is not None:
             scheduler.step()
-        step_ms.append((end - before_step) * 1e3)
-        train_ms.append((end - start) * 1e3)
+        if step == min(PEAK_STEPS, steps):
+            peak_bytes = peak.peak_bytes()
+            if pinned:
+                set_mmap_threshold(FAST_MMAP_THRESHOLD)
+        elif step > PEAK_STEPS or steps <= PEAK_STEPS:  # time the steps after the memory window
+            step_ms.append((end - before_step) * 1e3)
+            train_ms.append((end - start) * 1e3)
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             diverged = True
@@ -108,7 +124,7 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
         "losses": losses,
         "evals": evals,
         "state_bytes": state_bytes(optimizer),
-        "peak_bytes": peak.peak_bytes(),
+        "peak_bytes": peak_bytes if peak_bytes is not None else peak.peak_bytes(),
         "mean_step_ms": statistics.fmean(step_ms[1:] or step_ms),
         "mean_train_step_ms": statistics.fmean(train_ms[1:] or train_ms),
         "diverged": diverged,
@@ -116,7 +132,7 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
 
 
 def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    headers = ["task", "optimizer", "metric", "final", "best", "state KiB", "state / SMMF", "peak MiB",
+    headers = ["task", "optimizer", "metric", "final", "best", "state KiB", "state / SMMF", f"peak MiB (steps 1-{PEAK_STEPS})",
                "opt step ms", "train step ms"]
     smmf_state = {r["task"]: r["state_bytes"] for r in results if r["optimizer"] == "smmf"}
     rows = []
@@ -134,7 +150,8 @@ def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path
     out.mkdir(parents=True, exist_ok=True)
     headers, rows = summary_rows(results)
     (out / "results.md").write_text(
-        f"Command: `{meta['command']}`  \nMachine: {meta['machine']}\n\n" + format_table(headers, rows, "markdown")
+        f"Command: `{meta['command']}`  \nCode: commit {meta['code']}  \nMachine: {meta['machine']}\n\n"
+        + format_table(headers, rows, "markdown")
     )
     (out / "results.csv").write_text(format_table(headers, rows, "csv"))
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
@@ -153,17 +170,43 @@ def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device)
 
 
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,
-        opt_args: dict[str, dict[str, Any]], quick: bool, show_progress: bool = True) -> list[dict[str, Any]]:
+        opt_args: list[str], quick: bool, show_progress: bool = True) -> list[dict[str, Any]]:
+    """Every (task, optimizer) run, each in a fresh process (see :func:`train_in_fresh_process`)."""
     results = []
     for task_name in tasks:
-        task = TASKS[task_name]
-        _warm_up(task, optimizers, seed, device)
-        n_steps = steps or (20 if quick else task.default_steps)
+        n_steps = steps or (20 if quick else TASKS[task_name].default_steps)
         eval_every = max(1, n_steps // (4 if quick else 20))
         for name in optimizers:
-            results.append(train_one(task, name, opt_args.get(name, {}), n_steps, eval_every, seed, device,
-                                     show_progress))
+            job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
+                       steps=n_steps, eval_every=eval_every, seed=seed, device=str(device), progress=show_progress)
+            results.append(train_in_fresh_process(job))
     return results
+
+
+CHILD_RESULT = "SMMF-COMPARE-RESULT "
+
+
+def train_in_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
+    """One run in a new Python process, so that its peak memory is its own: nothing that an earlier
+    run freed is there for the allocator to reuse, which made in-process figures swing. glibc serves
+    blocks of 128 KiB and more by mmap from the start (so the heap holds no large free chunk to reuse)
+    until the peak has been read; see ``PEAK_STEPS``."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(PINNED_MMAP_THRESHOLD))
+    out = subprocess.run([sys.executable, "-m", "smmf.bench.compare", "--child", json.dumps(job)],
+                         stdout=subprocess.PIPE, text=True, env=env, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(CHILD_RESULT)]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"the {job['optimizer']} run on {job['task']} failed (exit status {out.returncode})")
+    return json.loads(lines[-1][len(CHILD_RESULT):])
+
+
+def _child(job: dict[str, Any]) -> None:
+    task, device = TASKS[job["task"]], torch.device(job["device"])
+    _warm_up(task, [job["optimizer"]], job["seed"], device)
+    overrides = parse_opt_args(job["opt_args"]).get(job["optimizer"], {})
+    result = train_one(task, job["optimizer"], overrides, job["steps"], job["eval_every"], job["seed"], device,
+                       job["progress"])
+    print(CHILD_RESULT + json.dumps(result), flush=True)
 
 
 def _machine(device: torch.device) -> str:
@@ -187,6 +230,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--opt-args", action="append", default=[], metavar="NAME:key=value,...",
                         help="override an optimizer's hyperparameters, e.g. smmf:decay_rate=-0.8")
     parser.add_argument("--quick", action="store_true", help="a tiny run for smoke tests")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
 
@@ -219,11 +263,15 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
 
 def main(args: Optional[argparse.Namespace] = None) -> int:
     args = args or build_parser().parse_args()
-    tasks, optimizers, device, opt_args, out = check_args(args)
+    if args.child:
+        _child(json.loads(args.child))
+        return 0
+    tasks, optimizers, device, _, out = check_args(args)
     started = time.time()
-    results = run(tasks, optimizers, args.steps, args.seed, device, opt_args, args.quick)
+    results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick)
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),
+        "code": _code_version(),
         "machine": _machine(device),
         "seconds": time.time() - started,
         "seed": args.seed,
@@ -234,6 +282,16 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     print(f"wrote {out}/results.md, results.csv, results.json, loss.png, metric.png, state_memory.png "
           f"({meta['seconds']:.0f} s on {meta['machine']})")
     return 0
+
+
+def _code_version() -> str:
+    """The git commit of the code that ran (``-dirty`` with uncommitted changes), where known."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, check=True, timeout=10)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _argv_echo(args: argparse.Namespace) -> list[str]:

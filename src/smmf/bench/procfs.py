@@ -25,3 +25,18 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """glibc: serve allocations of at least ``nbytes`` by mmap, so that freeing them returns them to
+    the OS and the resident size follows live memory (heap reuse otherwise makes peaks swing by
+    hundreds of MiB). False where glibc is not there."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes))
+    except (OSError, AttributeError):
+        return False
