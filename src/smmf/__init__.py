@@ -1,6 +1,7 @@
 """SMMF: Square-Matricized Momentum Factorization, a memory-efficient PyTorch optimizer."""
 
+from .backward import StepInBackward, step_in_backward
 from .optimizer import SMMF
 
-__all__ = ["SMMF", "__version__"]
+__all__ = ["SMMF", "step_in_backward", "StepInBackward", "__version__"]
 __version__ = "0.1.0"

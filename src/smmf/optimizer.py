@@ -278,20 +278,26 @@ class SMMF(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.step_params([(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None])
+        return loss
+
+    @torch.no_grad()
+    def step_params(self, params: list[tuple[dict[str, Any], Tensor]]) -> None:
+        """The step of some of the params, each with its group: what :meth:`step` does for all of
+        them, and :func:`smmf.step_in_backward` for one as soon as its gradient is ready."""
         # Check everything before touching anything: a rejected step changes no param or state.
         work = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                _check_grad(param, grad)
-                state = self.state.get(param)
-                if state:
-                    check_state_fits(param, state)
-                else:
-                    state = init_state(param, group)
-                work.append((group, param, state, step_kernel(group["backend"], param, state)))
+        for group, param in params:
+            grad = param.grad
+            if grad is None:
+                continue
+            _check_grad(param, grad)
+            state = self.state.get(param)
+            if state:
+                check_state_fits(param, state)
+            else:
+                state = init_state(param, group)
+            work.append((group, param, state, step_kernel(group["backend"], param, state)))
         self._nonfinite.poll()
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
         batches: dict[Callable[..., Any], list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
@@ -308,7 +314,6 @@ class SMMF(Optimizer):
                 batches.setdefault(batched, []).append((param, param.grad, state, cfg))
         for batched, items in batches.items():
             self._nonfinite.report(batched(items))
-        return loss
 
     @staticmethod
     def _step_config(group: dict[str, Any], step: int) -> StepConfig:
