@@ -39,3 +39,18 @@ def test_fused_step_allocates_nothing_of_the_parameters_size() -> None:
     param, the fused SMMF step's must stay below 5% of it."""
     assert extra_peak_ratio("SMMF(numba)") < 0.05
     assert extra_peak_ratio("Adam(foreach)") > 0.5  # the measurement does see a param-sized temporary
+
+
+def test_training_memory_runs_each_configuration_in_a_fresh_process() -> None:
+    pytest.importorskip("transformers")
+    from smmf.bench.training_memory import format_results, run_fresh
+
+    tiny = (2, 64, 2, 1, 16)  # n_layer, n_embd, n_head, batch, sequence
+    adam = run_fresh("tiny", "Adam(foreach=False)", tiny, "cpu")
+    fused = run_fresh("tiny", "SMMF + step in backward", tiny, "cpu")
+    assert adam["state"] == 2 * adam["weights"]  # Adam's two moments, fp32
+    assert adam["grads"] == adam["weights"] and fused["grads"] < fused["weights"]  # only the largest one at once
+    assert 0 < fused["state"] < adam["state"] / 20
+    assert adam["peak"] > adam["weights"] + adam["grads"] + adam["state"]
+    text = format_results([adam, fused])
+    assert "/ Adam(foreach=False)" in text and "SMMF + step in backward" in text

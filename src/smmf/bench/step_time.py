@@ -26,7 +26,7 @@ import torch
 
 from .. import SMMF
 from ..kernels import available_backends
-from .args import OneLineParser, comma_list, cuda_or_fail, fail
+from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
 from .shapes import gpt2_like_shapes, gpt2_xl_like_shapes, make_params, resnet50_shapes
@@ -228,6 +228,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv"])
+    parser.add_argument("--training", action="store_true",
+                        help="instead: peak memory of training steps (GPT-2 medium and small, fresh processes)")
+    parser.add_argument("--plot", help="with --training: write a stacked-bar PNG here")
+    parser.add_argument("--largest", type=float, metavar="GIB",
+                        help="with --training: also the deepest GPT-2-medium-wide model whose training fits in GIB, "
+                             "for Adam(foreach=False) and SMMF + step in backward with bf16 weights")
     parser.add_argument("--peak-child", help=argparse.SUPPRESS)
     return parser
 
@@ -236,6 +242,27 @@ def main(args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args()
     if args.peak_child:
         _peak_child(args.peak_child)
+        return 0
+    if args.training:
+        from . import training_memory
+
+        cuda_or_fail(PROG, args.device)
+        if args.plot:
+            writable_dir(PROG, "--plot", os.path.dirname(os.path.abspath(args.plot)))
+        if args.largest is not None and args.largest <= 0:
+            fail(PROG, f"--largest must be a positive number of GiB, got {args.largest}")
+        found = training_memory.run(list(training_memory.MODELS), list(training_memory.CONFIGS), args.device)
+        largest = [training_memory.largest_fitting(c, int(args.largest * 2**30), args.device)
+                   for c in ("Adam(foreach=False)", "SMMF + step in backward, bf16 weights (SR)")] if args.largest else []
+        if args.json:
+            print(json.dumps({"runs": found, "largest": largest}, indent=2))
+        else:
+            print(training_memory.format_results(found, args.format))
+            for entry in largest:
+                print(f"largest within {args.largest:g} GiB, {entry['config']}: {entry['layers']} layers, "
+                      f"{entry['params'] / 1e6:.0f}M params, peak {entry['peak'] / 2**30:.2f} GiB")
+        if args.plot:
+            training_memory.plot(found, args.plot)
         return 0
     sets = comma_list(PROG, "--sets", args.sets, list(SHAPE_SETS))
     if args.repeats < 1:

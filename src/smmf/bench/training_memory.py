@@ -1,0 +1,178 @@
+"""``smmf bench --training``: the peak memory of training steps, not just the optimizer state.
+
+Each (model, optimizer) configuration runs three training steps of a GPT-2-shaped model (from its
+``transformers`` config, random weights) in a **fresh process**. On CPU the figure is the process's
+resident high-water mark (``VmHWM``) with glibc's large blocks served by mmap
+(``MALLOC_MMAP_THRESHOLD_=131072``), so that freed memory leaves the process and the figure
+follows live memory; on CUDA it is ``torch.cuda.max_memory_allocated``. Beside it, a predicted
+breakdown: weights, gradients alive at once, optimizer state, and the rest (activations, workspace,
+the Python/torch runtime and, for SMMF on CPU, numba's compiled kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Optional
+
+import torch
+
+from ..memory import state_bytes
+from ..table import format_table
+from .procfs import status_kib
+
+MIB = 2**20
+PINNED_MMAP_THRESHOLD = "131072"
+
+# (n_layer, n_embd, n_head, batch, sequence)
+MODELS: dict[str, tuple[int, int, int, int, int]] = {
+    "gpt2-medium 1x128": (24, 1024, 16, 1, 128),  # weights dominate: fine-tuning a large model, small batch
+    "gpt2-small 8x256": (12, 768, 12, 8, 256),  # activations dominate
+}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "Adam(foreach=False)": dict(optimizer="adam", foreach=False),
+    "Adam(foreach=True)": dict(optimizer="adam", foreach=True),
+    "Adafactor(torch)": dict(optimizer="adafactor"),
+    "SMMF": dict(optimizer="smmf"),
+    "SMMF + step in backward": dict(optimizer="smmf", in_backward=True),
+    "SMMF + step in backward, bf16 weights (SR)": dict(optimizer="smmf", in_backward=True, bf16=True),
+}
+STEPS = 3
+
+
+def _build(n_layer: int, n_embd: int, n_head: int, bf16: bool) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=1024, vocab_size=50257)
+    model = GPT2LMHeadModel(config)
+    return model.to(torch.bfloat16) if bf16 else model
+
+
+def _optimizer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> torch.optim.Optimizer:
+    from .. import SMMF
+
+    if config["optimizer"] == "adam":
+        return torch.optim.Adam(params, lr=1e-4, foreach=config["foreach"])
+    if config["optimizer"] == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
+    return SMMF(params, lr=1e-4, decay_rate=-0.8, stochastic_rounding=config.get("bf16", False))
+
+
+def _child(job: dict[str, Any]) -> dict[str, Any]:
+    """Three steps in this (fresh) process; peak and predicted breakdown in bytes."""
+    from .. import step_in_backward
+
+    n_layer, n_embd, n_head, batch, seq = job["shape"]
+    config = CONFIGS[job["config"]]
+    device = torch.device(job["device"])
+    model = _build(n_layer, n_embd, n_head, config.get("bf16", False)).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _optimizer(params, config)
+    if config.get("in_backward"):
+        step_in_backward(optimizer)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(STEPS):
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = (status_kib("VmHWM") or 0) * 1024
+    weights = sum(p.numel() * p.element_size() for p in params)
+    # Gradients alive at once: all of them, or (inside backward) about the largest one.
+    grads = max(p.numel() * p.element_size() for p in params) if config.get("in_backward") else weights
+    state = state_bytes(optimizer)
+    return dict(model=job["model"], config=job["config"], params=sum(p.numel() for p in params), peak=peak,
+                weights=weights, grads=grads, state=state, rest=peak - weights - grads - state)
+
+
+def run_fresh(model: str, config: str, shape: tuple[int, ...], device: str) -> dict[str, Any]:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=PINNED_MMAP_THRESHOLD)
+    job = dict(model=model, config=config, shape=list(shape), device=device)
+    out = subprocess.run([sys.executable, "-m", "smmf.bench.training_memory", "--child", json.dumps(job)],
+                         capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{config} on {model} failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(models: list[str], configs: list[str], device: str, show_progress: bool = True) -> list[dict[str, Any]]:
+    from .progress import progress
+
+    jobs = [(m, c) for m in models for c in configs]
+    return [run_fresh(m, c, MODELS[m], device) for m, c in progress(jobs, "training memory", len(jobs), show_progress)]
+
+
+def largest_fitting(config: str, budget: int, device: str, width: int = 1024, heads: int = 16) -> dict[str, Any]:
+    """The deepest GPT-2-shaped model (``width`` wide, batch 1×128) whose three training steps peak
+    within ``budget`` bytes: peak is about linear in depth, so two measured depths give the line, and
+    the depth it predicts is measured (and stepped back by the measured excess while it is over). A
+    depth found this way fits; one more layer may fit too (not searched)."""
+    def measure(layers: int) -> dict[str, Any]:
+        return run_fresh(f"{layers} layers", config, (layers, width, heads, 1, 128), device)
+
+    low, high = measure(4), measure(24)
+    per_layer = (high["peak"] - low["peak"]) / 20
+    layers = int(4 + (budget - low["peak"]) // per_layer)
+    found = measure(layers)
+    while found["peak"] > budget and layers > 1:  # step back by the measured excess, a layer at least
+        layers -= max(1, int(-(-(found["peak"] - budget) // per_layer)))
+        found = measure(layers)
+    return dict(config=config, budget=budget, layers=layers, params=found["params"], peak=found["peak"],
+                per_layer=per_layer, fixed=low["peak"] - 4 * per_layer)
+
+
+def format_results(results: list[dict[str, Any]], fmt: str = "table") -> str:
+    headers = ["model", "optimizer", "peak MiB", "/ Adam(foreach=False)", "weights MiB", "grads MiB", "state MiB",
+               "rest MiB"]
+    baseline = {r["model"]: r["peak"] for r in results if r["config"] == "Adam(foreach=False)"}
+    rows = [[r["model"], r["config"], r["peak"] / MIB, r["peak"] / baseline[r["model"]] if r["model"] in baseline else None,
+             r["weights"] / MIB, r["grads"] / MIB, r["state"] / MIB, r["rest"] / MIB] for r in results]
+    return format_table(headers, rows, fmt)
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    """Stacked bars: weights, gradients, optimizer state, the rest; one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in results))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    parts = [("weights", "#4c72b0"), ("grads", "#dd8452"), ("state", "#c44e52"), ("rest", "#8c8c8c")]
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in results if r["model"] == model]
+        names = [r["config"].replace(" + ", "\n+ ").replace(", ", ",\n").replace("(", "\n(") for r in rows]
+        bottom = [0.0] * len(rows)
+        for key, color in parts:
+            values = [max(r[key], 0) / 2**30 for r in rows]
+            ax.bar(names, values, bottom=bottom, color=color, label=key if ax is axes[0][0] else None)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        for x, r in enumerate(rows):
+            ax.text(x, r["peak"] / 2**30, f"{r['peak'] / 2**30:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{model}: peak memory of 3 training steps")
+        ax.set_ylabel("GiB")
+        ax.tick_params(axis="x", labelsize=7)
+    fig.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    print(json.dumps(_child(json.loads(args.child))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
