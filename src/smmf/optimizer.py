@@ -116,8 +116,8 @@ class NonfiniteMonitor:
         for host, arrived in self.pending:
             if not arrived.query():
                 still.append((host, arrived))
-            elif int(host.sum()) and not self.warned:
-                self._warn(int(host.sum()))
+            elif not self.warned and (count := int(host.sum())):
+                self._warn(count)
         self.pending = still
 
     def _warn(self, count: int) -> None:

@@ -13,7 +13,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +22,7 @@ import torch
 from ..memory import state_bytes
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
+from .fresh_process import report, run_child
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
 from ..table import format_table
@@ -183,21 +183,13 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
     return results
 
 
-CHILD_RESULT = "SMMF-COMPARE-RESULT "
-
-
 def train_in_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
     """One run in a new Python process, so that its peak memory is its own: nothing that an earlier
     run freed is there for the allocator to reuse, which made in-process figures swing. glibc serves
     blocks of 128 KiB and more by mmap from the start (so the heap holds no large free chunk to reuse)
     until the peak has been read; see ``PEAK_STEPS``."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(PINNED_MMAP_THRESHOLD))
-    out = subprocess.run([sys.executable, "-m", "smmf.bench.compare", "--child", json.dumps(job)],
-                         stdout=subprocess.PIPE, text=True, env=env, check=False)
-    lines = [line for line in out.stdout.splitlines() if line.startswith(CHILD_RESULT)]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"the {job['optimizer']} run on {job['task']} failed (exit status {out.returncode})")
-    return json.loads(lines[-1][len(CHILD_RESULT):])
+    return run_child("smmf.bench.compare", ["--child", json.dumps(job)], f"the {job['optimizer']} run on {job['task']}",
+                     PINNED_MMAP_THRESHOLD, show_stderr=True)
 
 
 def _child(job: dict[str, Any]) -> None:
@@ -206,7 +198,7 @@ def _child(job: dict[str, Any]) -> None:
     overrides = parse_opt_args(job["opt_args"]).get(job["optimizer"], {})
     result = train_one(task, job["optimizer"], overrides, job["steps"], job["eval_every"], job["seed"], device,
                        job["progress"])
-    print(CHILD_RESULT + json.dumps(result), flush=True)
+    report(result)
 
 
 def _machine(device: torch.device) -> str:

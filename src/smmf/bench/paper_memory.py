@@ -115,13 +115,13 @@ def measured_state_bytes(build: Callable[[], nn.Module], device: str) -> dict[st
     from .. import SMMF
 
     factories = {"adam": torch.optim.Adam, "smmf": SMMF}
+    expected = sum(p.numel() for p in build().parameters() if p.requires_grad)
     out = {}
     for name, factory in factories.items():
         model = build().to_empty(device=device)  # uninitialized; only the trainable params get values
         if hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty unties shared params (e.g. GPT-2's embedding and head)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        expected = sum(p.numel() for p in build().parameters() if p.requires_grad)
         if sum(p.numel() for p in trainable) != expected:
             raise RuntimeError(f"the model built on {device} has other trainable params than its meta twin")
         with torch.no_grad():

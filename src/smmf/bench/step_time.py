@@ -16,8 +16,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from functools import partial
 from typing import Any, Callable
@@ -27,6 +25,7 @@ import torch
 from .. import SMMF
 from ..kernels import available_backends
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
+from .fresh_process import report, run_child
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
 from .shapes import gpt2_like_shapes, gpt2_xl_like_shapes, make_params, resnet50_shapes
@@ -141,17 +140,12 @@ def _peak_child(name: str) -> None:
     before = status_kib("VmRSS") or 0
     opt.step()
     extra = ((status_kib("VmHWM") or 0) - before) * 1024
-    print(json.dumps({"extra_bytes": extra, "param_bytes": params[0].numel() * 4}))
+    report({"extra_bytes": extra, "param_bytes": params[0].numel() * 4})
 
 
 def extra_peak_ratio(name: str) -> float:
     # Large temporaries must come from (and go back to) mmap, so that RSS sees each step afresh.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run(
-        [sys.executable, "-m", "smmf.bench.step_time", "--peak-child", name],
-        capture_output=True, text=True, check=True, env=env,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_child("smmf.bench.step_time", ["--peak-child", name], f"the peak of one {name} step", 65536)
     return result["extra_bytes"] / result["param_bytes"]
 
 

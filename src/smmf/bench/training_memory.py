@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from typing import Any, Optional
 
 import torch
 
 from ..memory import state_bytes
 from ..table import format_table
+from .fresh_process import report, run_child
 from .procfs import status_kib
 
 MIB = 2**20
-PINNED_MMAP_THRESHOLD = "131072"
+PINNED_MMAP_THRESHOLD = 131072
 
 # (n_layer, n_embd, n_head, batch, sequence)
 MODELS: dict[str, tuple[int, int, int, int, int]] = {
@@ -93,13 +91,9 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_fresh(model: str, config: str, shape: tuple[int, ...], device: str) -> dict[str, Any]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=PINNED_MMAP_THRESHOLD)
     job = dict(model=model, config=config, shape=list(shape), device=device)
-    out = subprocess.run([sys.executable, "-m", "smmf.bench.training_memory", "--child", json.dumps(job)],
-                         capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"{config} on {model} failed: {out.stderr.strip().splitlines()[-1:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child("smmf.bench.training_memory", ["--child", json.dumps(job)], f"{config} on {model}",
+                     PINNED_MMAP_THRESHOLD)
 
 
 def run(models: list[str], configs: list[str], device: str, show_progress: bool = True) -> list[dict[str, Any]]:
@@ -170,7 +164,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    print(json.dumps(_child(json.loads(args.child))))
+    report(_child(json.loads(args.child)))
     return 0
 
 

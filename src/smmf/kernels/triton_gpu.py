@@ -24,9 +24,11 @@ own bytes. Otherwise a byte can straddle two tiles; the kernel then ORs the new 
 into a zeroed int32 scratch (OR commutes, so this stays deterministic), which the finish kernel
 copies over the state: N/8 extra bytes for those tensors only.
 
-Each tensor is described by one row of an int64 table (see ``_META``): its addresses, its shape
-and where its partial sums and scratch start. The scalars of a launch (lr, β1_t, β2_t, …) are
-arguments, so tensors whose step configuration differs go to separate launches.
+Each tensor is described by one row of 14 int64 in a table: the addresses of w, g, signs, row_m,
+col_m, row_v, col_v (columns 0–6), then n, m, column tiles, bands, its first work item, where its
+partial sums start and where its sign scratch starts (columns 7–13). The scalars of a launch (lr,
+β1_t, β2_t, …) are arguments, so tensors whose step configuration (or sign alignment) differs go to
+separate launches.
 """
 
 from __future__ import annotations
@@ -43,11 +45,6 @@ from ..functional import StepConfig
 from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape, real_view
 
 __all__ = ["triton_step_", "triton_steps_"]
-
-# Columns of the per-tensor table: 7 addresses, then the geometry.
-_W, _G, _SIGNS, _ROW_M, _COL_M, _ROW_V, _COL_V = range(7)
-_N, _M, _TILES, _BANDS, _FIRST_ITEM, _PARTIAL_AT, _WORDS_AT = range(7, 14)
-_META = 14
 
 # Tile shape and rows per work item. A tile of 4096 elements keeps enough bytes in flight per SM
 # to be bandwidth-bound; BLOCK_COLS is a multiple of 32 (the unaligned sign path packs 32 bits at a
@@ -227,8 +224,8 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
 
 @functools.lru_cache(maxsize=256)
 def _layout(shapes: tuple[tuple[int, int], ...], has_m: bool, device: torch.device) -> tuple[list[list[int]], Tensor, int, int]:
-    """Geometry of one launch, cached by its tensors' matrix shapes: each tensor's columns of the
-    table from ``_N`` on, the work items' tensor indices (on ``device``), and the sizes of the
+    """Geometry of one launch, cached by its tensors' matrix shapes: each tensor's columns 7–13 of
+    the table, the work items' tensor indices (on ``device``), and the sizes of the
     partial-sum buffer and of the sign scratch."""
     geometry, counts = [], []
     first_item = partial_at = words_at = 0
@@ -269,18 +266,14 @@ def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConf
         g = real_view(grad)
         if g.dtype != weight.dtype or not g.is_contiguous():
             g = g.to(weight.dtype).contiguous()
-        launches.setdefault(_config_key(cfg, weight.dtype), []).append((weight, g, state, cfg))
+        # Without a first moment there are no sign bits, and every tensor takes the aligned code.
+        aligned = cfg.beta1 is None or matrix_shape(weight)[1] % 8 == 0
+        launches.setdefault((*_config_key(cfg, weight.dtype), aligned), []).append((weight, g, state, cfg))
     if not launches:
         return None
     bad = torch.zeros(1, dtype=torch.int32, device=next(iter(launches.values()))[0][0].device)
-    for key, tensors in launches.items():
-        has_m = tensors[0][3].beta1 is not None
-        # Without a first moment there are no sign bits, and every tensor takes the aligned code.
-        aligned = [x for x in tensors if not has_m or matrix_shape(x[0])[1] % 8 == 0]
-        unaligned = [x for x in tensors if has_m and matrix_shape(x[0])[1] % 8 != 0]
-        for group, is_aligned in ((aligned, True), (unaligned, False)):
-            if group:
-                _launch(group, bad, dtype=key[0], stochastic=key[-1], aligned=is_aligned)
+    for (dtype, *_, stochastic, aligned), tensors in launches.items():
+        _launch(tensors, bad, dtype=dtype, stochastic=stochastic, aligned=aligned)
     for weight, copy in copies_back:
         weight.copy_(copy)
     return bad if any(cfg.zero_nonfinite for _, _, _, cfg in items) else None
