@@ -386,6 +386,7 @@ CLI_CASES = {
     "bench unknown set": (["bench", "--sets", "nope"], "--sets: unknown 'nope'"),
     "bench one unknown set": (["bench", "--sets", "resnet50,nope"], "--sets: unknown 'nope'"),
     "bench zero repeats": (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+    "bench zero threads": (["bench", "--threads", "0"], "--threads must be between 1 and"),
 }
 if not torch.cuda.is_available():
     CLI_CASES |= {

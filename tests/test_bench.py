@@ -7,13 +7,21 @@ import os
 import pytest
 import torch
 
-from smmf.bench.shapes import gpt2_like_shapes, make_params
+from smmf.bench.shapes import gpt2_like_shapes, gpt2_xl_like_shapes, gpt2_xl_subset_shapes, make_params
 from smmf.bench.step_time import LIMIT, extra_peak_ratio, format_results, interleaved_medians, optim_map
 from smmf.kernels import available_backends
 
 
 def test_gpt2_like_shape_set_has_52m_parameters() -> None:
     assert sum(torch.Size(s).numel() for s in gpt2_like_shapes()) == 52_125_696
+
+
+def test_gpt2_xl_sets_have_their_stated_sizes() -> None:
+    def count(shapes):
+        return sum(torch.Size(s).numel() for s in shapes)
+
+    assert count(gpt2_xl_like_shapes()) == 50257 * 1600 + 48 * 30_723_200  # 1.555B
+    assert count(gpt2_xl_subset_shapes()) == 50257 * 1600 + 8 * 30_723_200  # 326M, the same shapes
 
 
 def test_every_benchmarked_optimizer_steps_and_the_table_reports_ratios() -> None:

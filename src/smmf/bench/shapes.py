@@ -19,6 +19,17 @@ def gpt2_xl_like_shapes() -> list[Shape]:
     return [(50257, 1600)] + block * 48
 
 
+def gpt2_xl_subset_shapes(blocks: int = 8) -> list[Shape]:
+    """The 1.56B set's embedding and its first ``blocks`` blocks (326M params with 8): what fits beside
+    every candidate's state on a 24 GB machine; the same shapes, so the same per-element cost."""
+    return gpt2_xl_like_shapes()[: 1 + 6 * blocks]
+
+
+def many_small_shapes(count: int = 256) -> list[Shape]:
+    """``count`` 64×64 tensors: the step is all per-tensor overhead (ms / count = per tensor)."""
+    return [(64, 64)] * count
+
+
 def resnet50_shapes(num_labels: int = 1000) -> list[Shape]:
     """ResNet-50's trainable parameter shapes (the paper-table model, built on the meta device)."""
     from .models import resnet50

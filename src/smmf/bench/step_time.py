@@ -28,12 +28,25 @@ from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .fresh_process import report, run_child
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
-from .shapes import gpt2_like_shapes, gpt2_xl_like_shapes, make_params, resnet50_shapes
+from .shapes import (
+    gpt2_like_shapes,
+    gpt2_xl_like_shapes,
+    gpt2_xl_subset_shapes,
+    make_params,
+    many_small_shapes,
+    resnet50_shapes,
+)
 from ..table import format_table
 
 OptimFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 PEAK_SHAPE = (8192, 4096)
-SHAPE_SETS = {"gpt2-52M": gpt2_like_shapes, "resnet50": resnet50_shapes, "gpt2-xl-1.3B": gpt2_xl_like_shapes}
+SHAPE_SETS = {
+    "gpt2-52M": gpt2_like_shapes,
+    "resnet50": resnet50_shapes,
+    "gpt2-xl-1.3B": gpt2_xl_like_shapes,
+    "gpt2-xl-8-blocks": gpt2_xl_subset_shapes,
+    "256x64x64": many_small_shapes,
+}
 LIMIT = "axpy (limit)"
 # Bytes per fp32 parameter that one step must move: read the gradient, read and write the weight
 # and every state tensor of the parameter's size (SMMF: the 1-bit signs, 2 × 1/8 B).
@@ -129,6 +142,17 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 10) -> flo
     return 2 * nbytes / seconds
 
 
+def set_threads(threads: int) -> None:
+    """The CPU threads torch and (where installed) numba use."""
+    if not 1 <= threads <= (os.cpu_count() or 1):
+        fail(PROG, f"--threads must be between 1 and this machine's {os.cpu_count()} CPUs, got {threads}")
+    torch.set_num_threads(threads)
+    if "numba" in available_backends():
+        import numba
+
+        numba.set_num_threads(threads)
+
+
 def _peak_child(name: str) -> None:
     """In a fresh process: extra RSS high-water mark of one step over the resident size before it."""
     params = make_params([PEAK_SHAPE])
@@ -192,7 +216,7 @@ def format_results(results: dict[str, Any], fmt: str = "table") -> str:
     names = list(next(iter(results["step_seconds"].values())))
     headers = ["optimizer"]
     for s in sets:
-        headers += [f"{s} ms", f"/ {baseline}", "/ axpy", "GB/s"]
+        headers += [f"{s} ms", "ms/M params", f"/ {baseline}", "/ axpy", "GB/s"]
     peaks = results["extra_peak_over_param_bytes"]
     headers += [f"extra peak / param bytes ({s})" for s in peaks]
     rows = []
@@ -201,7 +225,8 @@ def format_results(results: dict[str, Any], fmt: str = "table") -> str:
         for s in sets:
             times = results["step_seconds"][s]
             t = times[name]
-            row += [t * 1e3, t / times[baseline], t / times[LIMIT], bytes_per_param(name) * results["params"][s] / t / 1e9]
+            numel = results["params"][s]
+            row += [t * 1e3, t * 1e9 / numel, t / times[baseline], t / times[LIMIT], bytes_per_param(name) * numel / t / 1e9]
         row += [peaks[s].get(name) for s in peaks]
         rows.append(row)
     title = (
@@ -219,6 +244,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--sets", default="gpt2-52M,resnet50", help=f"comma-separated, of: {', '.join(SHAPE_SETS)}")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, help="CPU threads for torch and numba (default: torch's)")
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv"])
@@ -262,6 +288,8 @@ def main(args: argparse.Namespace | None = None) -> int:
     if args.repeats < 1:
         fail(PROG, f"--repeats must be at least 1, got {args.repeats}")
     cuda_or_fail(PROG, args.device)
+    if args.threads is not None:
+        set_threads(args.threads)
     results = run(sets, args.repeats, args.device, not args.no_peak)
     print(json.dumps(results, indent=2) if args.json else format_results(results, args.format))
     return 0
