@@ -146,11 +146,11 @@ def set_threads(threads: int) -> None:
     """The CPU threads torch and (where installed) numba use."""
     if not 1 <= threads <= (os.cpu_count() or 1):
         fail(PROG, f"--threads must be between 1 and this machine's {os.cpu_count()} CPUs, got {threads}")
-    torch.set_num_threads(threads)
     if "numba" in available_backends():
         import numba
 
-        numba.set_num_threads(threads)
+        numba.set_num_threads(threads)  # first: starting numba's OpenMP pool resets torch's thread count
+    torch.set_num_threads(threads)
 
 
 def _peak_child(name: str) -> None:
