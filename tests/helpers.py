@@ -46,8 +46,11 @@ def reconstruct_state(opt: SMMF, p: Tensor) -> tuple[Tensor | None, Tensor]:
     v = torch.outer(st["row_v"], st["col_v"])
     if "row_m" not in st:
         return None, v
-    signs = unpack_signs(st["sign_m"], v.numel()).view(v.shape)
-    magnitude = torch.outer(st["row_m"], st["col_m"])
+    magnitude = torch.outer(st["row_m"], st["col_m"])  # M's own n×m view
+    if "flag_m" in st:
+        flag = unpack_signs(st["flag_m"], v.numel()).view(magnitude.shape)
+        magnitude = magnitude * torch.where(flag, st["levels_m"][0], st["levels_m"][1])
+    signs = unpack_signs(st["sign_m"], v.numel()).view(magnitude.shape)
     return torch.where(signs, magnitude, -magnitude), v
 
 

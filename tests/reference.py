@@ -54,12 +54,32 @@ class ReferenceSMMF:
     vector_reshape: bool = True
     weight_decay_mode: str = "adamw"
     maximize: bool = False
+    momentum_shape: str = "square"  # beyond the paper: "natural" = (dim 0, the rest) for M of ≥2-D tensors
+    magnitude_bits: int = 0  # beyond the paper: 1 = a flag [|M| > r cᵀ] and two least-squares levels
     state: dict[int, ReferenceState] = field(default_factory=dict)
 
     def matrix_shape(self, p: Tensor) -> tuple[int, ...]:
         if p.dim() <= 1 and not self.vector_reshape:
             return tuple(p.shape)
         return reference_shape(p.numel())
+
+    def momentum_shape_of(self, p: Tensor) -> tuple[int, ...]:
+        if self.momentum_shape == "natural" and p.dim() >= 2 and p.numel() > 0:
+            return p.shape[0], p.numel() // p.shape[0]
+        return self.matrix_shape(p)
+
+    def encode_momentum(self, m: Tensor) -> Tensor:
+        """M̂ = S ⊙ r cᵀ, or with the flag S ⊙ r cᵀ ⊙ (h where |M| > r cᵀ, else l)."""
+        a = m.abs()
+        r = reference_nnmf_reconstruct(a)
+        if self.magnitude_bits:
+            above = a > r
+            levels = []
+            for where in (above, ~above):
+                den = (r[where] ** 2).sum()
+                levels.append((a[where] * r[where]).sum() / den if den > 0 else torch.zeros((), dtype=m.dtype))
+            r = r * torch.where(above, levels[0], levels[1])
+        return torch.where(m >= 0, 1.0, -1.0).to(m.dtype) * r
 
     @torch.no_grad()
     def step(self) -> None:
@@ -69,9 +89,10 @@ class ReferenceSMMF:
             st = self.state.setdefault(id(p), ReferenceState())
             shape = self.matrix_shape(p)
             dense = p.dim() <= 1 and not self.vector_reshape
+            m_shape = shape if dense else self.momentum_shape_of(p)
             if st.v_hat is None:
                 st.v_hat = torch.zeros(shape, dtype=p.dtype)
-                st.m_hat = torch.zeros(shape, dtype=p.dtype)
+                st.m_hat = torch.zeros(m_shape, dtype=p.dtype)
             st.step += 1
             t = st.step
             w = p.detach().clone().reshape(shape)  # row-major of the logical (contiguous) tensor
@@ -88,13 +109,14 @@ class ReferenceSMMF:
                 m = g
             else:
                 beta1_t = self.beta * (1.0 if self.growth_rate is None else self.growth_rate ** (t - 1))
-                m = beta1_t * st.m_hat + (1 - beta1_t) * g
+                m = beta1_t * st.m_hat + (1 - beta1_t) * g.reshape(m_shape)
             if dense:
                 st.m_hat, st.v_hat = m, v
             else:
                 st.sign = m >= 0
-                st.m_hat = torch.where(st.sign, 1.0, -1.0).to(m.dtype) * reference_nnmf_reconstruct(m.abs())
+                st.m_hat = self.encode_momentum(m)
                 st.v_hat = reference_nnmf_reconstruct(v)
+            m = m.reshape(shape)
             u = m / (v.sqrt() + self.eps)
             w = w - self.lr * u
             p.copy_(w.reshape(p.shape))

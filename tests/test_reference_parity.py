@@ -17,12 +17,22 @@ CONFIGS = {
     "maximize": dict(maximize=True),
     "dense-vectors": dict(vector_reshape=False, decay_rate=-0.8),
     "constant-beta1": dict(growth_rate=None, decay_rate=-1.0),
+    # Beyond the paper (the fused backends hand these to the torch path, except where the natural
+    # shape is the square one).
+    "natural-shape": dict(momentum_shape="natural"),
+    "magnitude-flag": dict(magnitude_bits=1),
+    "natural-shape-and-flag": dict(momentum_shape="natural", magnitude_bits=1, weight_decay=0.1),
 }
 STEPS = 12
 FROZEN_STEPS = (4, 5, 9)  # the 4-D param gets no grad on these steps
 
 
+BEYOND_PAPER = ("momentum_shape", "magnitude_bits")
+
+
 def _run_pair(config: dict, backend: str) -> tuple[float, float]:
+    if backend != "torch" and any(key in config for key in BEYOND_PAPER):
+        backend = "auto"  # the fused kernel where the code is the paper's, the torch path elsewhere
     params = make_zoo()
     ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = SMMF(params, lr=1e-2, backend=backend, **config)
@@ -60,6 +70,28 @@ def test_matches_dense_reference(config: dict, backend: str) -> None:
     worst_param, worst_state = _run_pair(config, backend)
     assert worst_param <= 1e-10
     assert worst_state <= 1e-10
+
+
+@pytest.mark.parametrize("backend", CPU_FUSED_BACKENDS)
+@pytest.mark.parametrize("option", [dict(momentum_shape="natural"), dict(magnitude_bits=1)], ids=str)
+def test_a_named_fused_backend_refuses_the_beyond_paper_codes_before_any_change(backend: str, option: dict) -> None:
+    p = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.float64))  # natural 4×6, square 6×4
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    opt = SMMF([p], backend=backend, **option)
+    with pytest.raises(RuntimeError, match="paper's momentum code only"):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state
+
+
+def test_natural_shape_equal_to_the_square_one_stays_on_the_fused_kernel() -> None:
+    from smmf.kernels import step_kernel
+    from smmf.state import init_state
+
+    p = torch.nn.Parameter(torch.randn(31, 9))  # square matricization of 279 is 31×9 too
+    group = {"beta": 0.9, "vector_reshape": True, "momentum_shape": "natural", "magnitude_bits": 0}
+    for backend in CPU_FUSED_BACKENDS:
+        assert step_kernel(backend, p, init_state(p, group)).__name__ == f"{backend}_step_"
 
 
 def test_groups_carry_their_own_options() -> None:

@@ -2,7 +2,9 @@
 
 :func:`_factored_update` is Alg. 1 of the paper for one n×m matrix, line by line: decompress the
 momenta from their factors and sign bits, update them with this step's gradient, compress them
-again, and return the step direction built from the *uncompressed* momenta. FSDP2 shards run the
+again, and return the step direction built from the *uncompressed* momenta. Beyond the paper
+(opt-in), M may be factorized in the tensor's natural shape and carry a 1-bit magnitude flag;
+both live here only (the fused kernels implement the paper's code). FSDP2 shards run the
 same algorithm on their band of rows in :mod:`smmf.distributed`; the fused kernels in
 :mod:`smmf.kernels` are tested against this file.
 """
@@ -21,6 +23,8 @@ from .state import (
     COL_V,
     EXP_AVG,
     EXP_AVG_SQ,
+    FLAG_M,
+    LEVELS_M,
     ROW_M,
     ROW_V,
     SIGN_M,
@@ -125,10 +129,16 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     v = torch.outer(state[ROW_V], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
     m = None
     if cfg.beta1 is not None:
-        m = decompress_momentum(state, g.shape).mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
-        # Compress M: its signs, 1 bit each, and the rank-1 NNMF of |M|.
+        # M in its own n×m view (the same as V's but under momentum_shape="natural").
+        m_shape = (state[ROW_M].numel(), state[COL_M].numel())
+        m = decompress_momentum(state, m_shape).mul_(cfg.beta1).add_(g.reshape(m_shape), alpha=1.0 - cfg.beta1)
+        # Compress M: its signs, 1 bit each, and the rank-1 NNMF of |M| (and the magnitude flag).
         state[SIGN_M].copy_(pack_signs(m >= 0))
-        store_factors_(state, ROW_M, COL_M, *factor_sums(m.abs()))
+        magnitude = m.abs()
+        store_factors_(state, ROW_M, COL_M, *factor_sums(magnitude))
+        if FLAG_M in state:
+            store_magnitude_flag_(state, magnitude)
+        m = m.view(g.shape)
     # Compress V: rank-1 NNMF.
     store_factors_(state, ROW_V, COL_V, *factor_sums(v))
     # The step uses this step's uncompressed M and V.
@@ -136,11 +146,32 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     return g / denom if m is None else m.div_(denom)
 
 
-def decompress_momentum(state: dict[str, Any], shape: torch.Size) -> Tensor:
-    """``M̂ = S ⊙ r_M c_Mᵀ``: the magnitude from the factors, the sign from the bits."""
+def decompress_momentum(state: dict[str, Any], shape: tuple[int, int]) -> Tensor:
+    """``M̂ = S ⊙ r_M c_Mᵀ``: the magnitude from the factors, the sign from the bits; with the
+    magnitude flag F, ``M̂ = S ⊙ r_M c_Mᵀ ⊙ (l + (h − l)·F)``."""
     magnitude = torch.outer(state[ROW_M], state[COL_M])
+    if FLAG_M in state:
+        high, low = state[LEVELS_M].unbind()
+        flag = unpack_signs(state[FLAG_M], magnitude.numel()).view(shape)
+        magnitude.mul_(torch.where(flag, high, low))
     nonneg = unpack_signs(state[SIGN_M], magnitude.numel()).view(shape)
     return torch.where(nonneg, magnitude, -magnitude)
+
+
+def store_magnitude_flag_(state: dict[str, Any], magnitude: Tensor) -> None:
+    """After the factors of |M| are stored: F = [|M| > R] with R = r cᵀ the new rank-1 estimate, and
+    the levels that fit |M| best by least squares where F is set (h) and clear (l):
+    ``h = Σ_F |M|·R / Σ_F R²`` (0 when the set is empty or R is 0 on it), likewise ``l``."""
+    estimate = torch.outer(state[ROW_M], state[COL_M])
+    above = magnitude > estimate
+    state[FLAG_M].copy_(pack_signs(above))
+    fit = (magnitude * estimate).nan_to_num_(posinf=torch.finfo(estimate.dtype).max)
+    energy = (estimate * estimate).nan_to_num_(posinf=torch.finfo(estimate.dtype).max)
+    levels = []
+    for where in (above, ~above):
+        num, den = fit[where].sum(), energy[where].sum()
+        levels.append(torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0))
+    state[LEVELS_M].copy_(torch.stack(levels))
 
 
 def factor_sums(matrix: Tensor, numel: Optional[int] = None) -> tuple[Tensor, Tensor]:

@@ -14,7 +14,15 @@ from torch.optim import Optimizer
 from .functional import StepConfig
 from .kernels import check_backend, step_kernel
 from .schedules import beta1_at, beta2_at
-from .state import STEP, check_loaded_state, check_state_fits, init_state, state_layout
+from .state import (
+    MAGNITUDE_BITS,
+    MOMENTUM_SHAPES,
+    STEP,
+    check_loaded_state,
+    check_state_fits,
+    init_state,
+    state_layout,
+)
 
 __all__ = ["SMMF"]
 
@@ -23,7 +31,10 @@ WEIGHT_DECAY_MODES = ("adamw", "adam")
 NONFINITE_GRADS = ("zero", "propagate")
 # Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
 # constructor's values are kept. ``backend`` is never taken from a checkpoint.
-_OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads")
+_OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads", "momentum_shape", "magnitude_bits")
+# Options that decide the state's layout: a checkpoint written with others cannot be continued.
+# Checkpoints that lack them were written with the paper's code.
+_LAYOUT_DEFAULTS = {"momentum_shape": "square", "magnitude_bits": 0}
 # Keys that learning-rate schedulers add to param groups.
 _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum")
 
@@ -68,6 +79,13 @@ def _validate_group(group: dict[str, Any]) -> None:
         raise ValueError(
             f"Unknown nonfinite_grads: {group['nonfinite_grads']!r}. It needs to be one of {list(NONFINITE_GRADS)}"
         )
+    if group["momentum_shape"] not in MOMENTUM_SHAPES:
+        raise ValueError(
+            f"Unknown momentum_shape: {group['momentum_shape']!r}. It needs to be one of {list(MOMENTUM_SHAPES)}"
+        )
+    bits = group["magnitude_bits"]
+    if isinstance(bits, bool) or bits not in MAGNITUDE_BITS:
+        raise ValueError(f"magnitude_bits should be one of {list(MAGNITUDE_BITS)} but is: {bits!r}")
     check_backend(group["backend"])
 
 
@@ -193,10 +211,20 @@ class SMMF(Optimizer):
             as usual) and a warning is issued once; ``"propagate"``: it flows into the update as in
             plain torch — for SMMF that makes the whole tensor NaN, since its factors are sums over
             it (default: ``"zero"``).
+        momentum_shape: beyond the paper, opt-in. ``"square"``: M is factorized in the square
+            matricization, as in the paper; ``"natural"``: in the tensor's own shape (dim 0 × the
+            rest; a conv weight: out_channels × the rest; 1-D tensors stay square), which lets the
+            factors hold a per-unit magnitude. V stays square either way (default: ``"square"``).
+        magnitude_bits: beyond the paper, opt-in. ``0``: |M| ≈ r cᵀ; ``1``: one more bit per element
+            says whether |M| is above r cᵀ, and two per-tensor levels scale r cᵀ where it is / is not,
+            so that small momentum coordinates are no longer given their row's average (default: 0).
+            Both options cut an early-training stall on language models; see the README's "Beyond
+            the paper". They run on the torch path (the fused kernels implement the paper's code).
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
             params, each when installed; the torch path for what they do not cover: dense 1-D
-            state, fp64 on CUDA, fp16 and complex on CPU, DTensor shards), or one of ``"torch"``,
-            ``"numba"``, ``"triton"``, which raises for a param it cannot take (default: ``"auto"``).
+            state, fp64 on CUDA, fp16 and complex on CPU, DTensor shards, the beyond-the-paper
+            momentum codes), or one of ``"torch"``, ``"numba"``, ``"triton"``, which raises for a
+            param it cannot take (default: ``"auto"``).
 
     .. note::
         The sign matrix is stored 8 signs per byte (uint8), as the paper counts it; the
@@ -231,6 +259,8 @@ class SMMF(Optimizer):
         maximize: bool = False,
         stochastic_rounding: bool = False,
         nonfinite_grads: Literal["zero", "propagate"] = "zero",
+        momentum_shape: Literal["square", "natural"] = "square",
+        magnitude_bits: Literal[0, 1] = 0,
         backend: Literal["auto", "torch", "numba", "triton"] = "auto",
     ) -> None:
         defaults: dict[str, Any] = dict(
@@ -245,6 +275,8 @@ class SMMF(Optimizer):
             maximize=maximize,
             stochastic_rounding=stochastic_rounding,
             nonfinite_grads=nonfinite_grads,
+            momentum_shape=momentum_shape,
+            magnitude_bits=magnitude_bits,
             backend=backend,
         )
         _validate_group(defaults)
@@ -269,6 +301,8 @@ class SMMF(Optimizer):
             group.setdefault("stochastic_rounding", False)
             group.setdefault("nonfinite_grads", "zero")
             group.setdefault("backend", "auto")
+            for key, default in _LAYOUT_DEFAULTS.items():
+                group.setdefault(key, default)
         self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
 
     @torch.no_grad()
@@ -294,7 +328,7 @@ class SMMF(Optimizer):
             _check_grad(param, grad)
             state = self.state.get(param)
             if state:
-                check_state_fits(param, state)
+                check_state_fits(param, group, state)
             else:
                 state = init_state(param, group)
             work.append((group, param, state, step_kernel(group["backend"], param, state)))
@@ -393,6 +427,13 @@ class SMMF(Optimizer):
                     f"loaded parameter group {index} does not hold SMMF's options (lacks {missing}, has unknown "
                     f"{foreign}): is it another optimizer's state dict?"
                 )
+            for key, default in _LAYOUT_DEFAULTS.items():
+                if saved.get(key, default) != group[key]:
+                    raise ValueError(
+                        f"loaded parameter group {index} was written with {key}={saved.get(key, default)!r}, this "
+                        f"optimizer's has {key}={group[key]!r}: its state has another layout. Build the optimizer "
+                        f"with {key}={saved.get(key, default)!r} to continue that run"
+                    )
             options = {**group, **{k: v for k, v in saved.items() if k not in ("params", "backend")}}
             _validate_group(options)
             for param, pid in zip(group["params"], saved["params"]):

@@ -19,6 +19,11 @@ from .sharding import as_state, is_dtensor, local, shard_info
 # Keys of the factored state (a parameter seen as an n×m matrix).
 ROW_M, COL_M, SIGN_M = "row_m", "col_m", "sign_m"
 ROW_V, COL_V = "row_v", "col_v"
+# The 1-bit magnitude flag of M (``magnitude_bits=1``): packed bits [|M| > r cᵀ], and the two
+# levels (high, low) that scale r cᵀ where the flag is set / clear.
+FLAG_M, LEVELS_M = "flag_m", "levels_m"
+MOMENTUM_SHAPES = ("square", "natural")
+MAGNITUDE_BITS = (0, 1)
 # Keys of the dense state (1-D parameters when ``vector_reshape=False``).
 EXP_AVG, EXP_AVG_SQ = "exp_avg", "exp_avg_sq"
 STEP = "step"
@@ -44,7 +49,32 @@ def is_dense(param: Tensor, group: Mapping[str, Any]) -> bool:
 
 
 def matrix_shape(param: Tensor) -> tuple[int, int]:
+    """The n×m view of V (and of M under ``momentum_shape="square"``)."""
     return square_matricize_shape(real_view(param).numel())
+
+
+def momentum_matrix_shape(param: Tensor, group: Mapping[str, Any]) -> tuple[int, int]:
+    """The n×m view of M: square, or with ``momentum_shape="natural"`` (dim 0, the rest) for tensors of
+    two or more dims (a conv weight: out_channels × the rest); 1-D tensors stay square."""
+    real = real_view(param)
+    if group.get("momentum_shape", "square") == "natural" and real.dim() >= 2 and real.numel() > 0:
+        return real.shape[0], real.numel() // real.shape[0]
+    return matrix_shape(param)
+
+
+def has_plain_momentum_code(group: Mapping[str, Any]) -> bool:
+    """The paper's code for M (square, sign + rank-1): what the fused kernels implement."""
+    return group.get("momentum_shape", "square") == "square" and group.get("magnitude_bits", 0) == 0
+
+
+def kernels_cover_state(state: Mapping[str, Any]) -> bool:
+    """Whether the fused kernels can update this state: M (if any) coded as in the paper, in V's view
+    (a natural shape that happens to be V's square one is the paper's code)."""
+    if FLAG_M in state:
+        return False
+    return ROW_M not in state or (
+        state[ROW_M].shape[0] == state[ROW_V].shape[0] and state[COL_M].shape[0] == state[COL_V].shape[0]
+    )
 
 
 def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpec]:
@@ -58,11 +88,20 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     rows, cols = matrix_shape(param)
     layout: dict[str, TensorSpec] = {}
     if has_momentum:
-        layout[ROW_M] = TensorSpec((rows,), dtype)
-        layout[COL_M] = TensorSpec((cols,), dtype)
         info = shard_info(param)
+        if info is not None and not has_plain_momentum_code(group):
+            raise NotImplementedError(
+                "momentum_shape='natural' and magnitude_bits=1 are not supported on FSDP2 (DTensor) parameters yet; "
+                "use the defaults for them"
+            )
+        m_rows, m_cols = momentum_matrix_shape(param, group)
+        layout[ROW_M] = TensorSpec((m_rows,), dtype)
+        layout[COL_M] = TensorSpec((m_cols,), dtype)
         sign_bytes = packed_sign_bytes(rows * cols) if info is None else info.sign_bytes * (info.world if info.sharded else 1)
         layout[SIGN_M] = TensorSpec((sign_bytes,), torch.uint8)
+        if group.get("magnitude_bits", 0) == 1:
+            layout[FLAG_M] = TensorSpec((sign_bytes,), torch.uint8)
+            layout[LEVELS_M] = TensorSpec((2,), dtype)
     layout[ROW_V] = TensorSpec((rows,), dtype)
     layout[COL_V] = TensorSpec((cols,), dtype)
     return layout
@@ -83,7 +122,7 @@ def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
-def check_state_fits(param: Tensor, state: Mapping[str, Any]) -> None:
+def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> None:
     """Raise ``RuntimeError`` unless the live ``state`` has the shapes ``param`` needs now (a param
     whose ``.data`` was swapped for another shape would make the kernels read and write out of bounds)."""
     real = real_view(param)
@@ -94,8 +133,10 @@ def check_state_fits(param: Tensor, state: Mapping[str, Any]) -> None:
     else:
         rows, cols = matrix_shape(param)
         got, need = (state[ROW_V].shape[0], state[COL_V].shape[0]), (rows, cols)
-        if got == need and (SIGN_M not in state or is_dtensor(state[SIGN_M])
-                            or state[SIGN_M].shape[0] == packed_sign_bytes(rows * cols)):
+        if got == need and ROW_M in state:  # M's own view (natural shape) must fit too
+            got, need = (state[ROW_M].shape[0], state[COL_M].shape[0]), momentum_matrix_shape(param, group)
+        if got == need and all(key not in state or is_dtensor(state[key])
+                               or state[key].shape[0] == packed_sign_bytes(rows * cols) for key in (SIGN_M, FLAG_M)):
             return
     raise RuntimeError(
         f"a parameter of shape {tuple(param.shape)} has SMMF state made for another shape "

@@ -1,0 +1,152 @@
+"""Beyond the paper, opt-in: M in the tensor's natural shape, and the 1-bit magnitude flag.
+
+The math is checked against the dense reference in test_reference_parity.py; here: the options'
+contract (validation, state layout and size, checkpoints).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from helpers import reconstruct_state
+from smmf import SMMF
+from smmf.memory import predict_state_bytes, state_bytes
+
+NATURAL_FLAG = dict(momentum_shape="natural", magnitude_bits=1)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10))
+
+
+def _train(opt: SMMF, model: torch.nn.Module, steps: int, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 3, 8, 8, generator=gen)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(momentum_shape="cube"), "Unknown momentum_shape: 'cube'"),
+        (dict(magnitude_bits=2), r"magnitude_bits should be one of \[0, 1\] but is: 2"),
+        (dict(magnitude_bits=True), "magnitude_bits should be one of"),
+        (dict(magnitude_bits="1"), "magnitude_bits should be one of"),
+    ],
+)
+def test_bad_options_are_clear_errors(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SMMF([torch.nn.Parameter(torch.zeros(2, 3))], **options)
+
+
+def test_layout_natural_rows_are_dim_0_and_vectors_stay_square() -> None:
+    model = _model()
+    opt = SMMF(model.parameters(), **NATURAL_FLAG)
+    _train(opt, model, 1)
+    conv, conv_bias, linear, _ = model.parameters()
+    st = opt.state[conv]
+    assert (st["row_m"].numel(), st["col_m"].numel()) == (8, 27)  # out_channels × the rest
+    assert (st["row_v"].numel(), st["col_v"].numel()) == (18, 12)  # V stays square (216 = 18·12)
+    assert st["flag_m"].dtype == torch.uint8 and st["flag_m"].numel() == st["sign_m"].numel() == 27
+    assert st["levels_m"].shape == (2,) and st["levels_m"][0] >= st["levels_m"][1] >= 0
+    assert (opt.state[conv_bias]["row_m"].numel(), opt.state[conv_bias]["col_m"].numel()) == (4, 2)  # 1-D: square
+    assert (opt.state[linear]["row_m"].numel(), opt.state[linear]["col_m"].numel()) == (10, 288)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(momentum_shape="natural"), dict(magnitude_bits=1), NATURAL_FLAG],
+                         ids=["paper", "natural", "flag", "natural+flag"])
+def test_state_is_the_predicted_size(options: dict) -> None:
+    model = _model()
+    opt = SMMF(model.parameters(), **options)
+    _train(opt, model, 1)
+    assert state_bytes(opt) == predict_state_bytes(model, "smmf", **options)
+
+
+def test_the_flag_costs_one_bit_per_element_plus_two_levels_per_tensor() -> None:
+    shapes = [(128, 512), (50257, 768), (768,)]
+    paper = predict_state_bytes(shapes, "smmf")
+    flag = predict_state_bytes(shapes, "smmf", magnitude_bits=1)
+    assert flag - paper == sum(math.ceil(math.prod(s) / 8) + 2 * 4 for s in shapes)
+
+
+def test_flag_decodes_what_was_encoded() -> None:
+    """The decoded M̂ is the flag's two-level code of the M that was just formed (first step: M = (1−β1)·G)."""
+    p = torch.nn.Parameter(torch.zeros(6, 10, dtype=torch.float64))
+    g = torch.randn(6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    p.grad = g
+    opt = SMMF([p], beta=0.9, growth_rate=None, **NATURAL_FLAG)
+    opt.step()
+    m_hat, _ = reconstruct_state(opt, p)
+    m = 0.1 * g
+    a = m.abs()
+    r = a.sum(1, keepdim=True) @ (a.sum(0, keepdim=True) / a.sum())
+    above = a > r
+    high = (a * r)[above].sum() / (r * r)[above].sum()
+    low = (a * r)[~above].sum() / (r * r)[~above].sum()
+    expected = torch.sign(m) * r * torch.where(above, high, low)
+    assert torch.allclose(m_hat, expected, rtol=1e-12, atol=1e-15)
+    # The flag's code is closer to M than the paper's rank-1 magnitude alone.
+    assert (m_hat - m).norm() < (torch.sign(m) * r - m).norm()
+
+
+def test_checkpoint_resumes_bit_identically_with_both_options() -> None:
+    model = _model()
+    opt = SMMF(model.parameters(), **NATURAL_FLAG)
+    _train(opt, model, 3)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    _train(opt, model, 3, seed=1)
+    resumed = _model()
+    resumed.load_state_dict(saved_model)
+    again = SMMF(resumed.parameters(), **NATURAL_FLAG)
+    again.load_state_dict(saved_opt)
+    _train(again, resumed, 3, seed=1)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("written, loading", [(dict(), NATURAL_FLAG), (NATURAL_FLAG, dict()),
+                                              (dict(momentum_shape="natural"), dict(magnitude_bits=1))])
+def test_checkpoint_written_with_other_options_is_a_clear_error(written: dict, loading: dict) -> None:
+    model = _model()
+    opt = SMMF(model.parameters(), **written)
+    _train(opt, model, 2)
+    target = SMMF(model.parameters(), **loading)
+    _train(target, model, 1)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match="was written with .*: its state has another layout"):
+        target.load_state_dict(opt.state_dict())
+    after = target.state_dict()
+    for pid, st in before["state"].items():
+        assert all(torch.equal(v, after["state"][pid][k]) if isinstance(v, torch.Tensor) else v == after["state"][pid][k]
+                   for k, v in st.items())
+
+
+def test_checkpoint_without_the_options_is_the_papers_code() -> None:
+    """Checkpoints written before the options existed lack them: they load into a default optimizer
+    and are refused by one with the natural shape."""
+    model = _model()
+    opt = SMMF(model.parameters())
+    _train(opt, model, 2)
+    old = opt.state_dict()
+    for group in old["param_groups"]:
+        del group["momentum_shape"], group["magnitude_bits"]
+    SMMF(model.parameters()).load_state_dict(old)
+    with pytest.raises(ValueError, match="momentum_shape='square'"):
+        SMMF(model.parameters(), momentum_shape="natural").load_state_dict(old)
+
+
+def test_groups_choose_their_own_code() -> None:
+    model = _model()
+    conv, conv_bias, linear, linear_bias = model.parameters()
+    opt = SMMF([{"params": [conv, conv_bias], **NATURAL_FLAG}, {"params": [linear, linear_bias]}])
+    _train(opt, model, 1)
+    assert "flag_m" in opt.state[conv] and "flag_m" not in opt.state[linear]
+    assert opt.state[linear]["row_m"].numel() == opt.state[linear]["row_v"].numel()  # square
