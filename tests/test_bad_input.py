@@ -382,6 +382,7 @@ CLI_CASES = {
     "compare unknown task": (["compare", "--tasks", "digits-cnn,nope"], "--tasks: unknown 'nope'"),
     "compare negative steps": (["compare", "--steps", "-5"], "--steps must be at least 1, got -5"),
     "compare zero steps": (["compare", "--steps", "0"], "--steps must be at least 1, got 0"),
+    "compare zero seeds": (["compare", "--seeds", "0"], "--seeds must be at least 1, got 0"),
     "compare unwritable out": (["compare", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write"),
     "bench unknown set": (["bench", "--sets", "nope"], "--sets: unknown 'nope'"),
     "bench one unknown set": (["bench", "--sets", "resnet50,nope"], "--sets: unknown 'nope'"),

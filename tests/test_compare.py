@@ -30,7 +30,7 @@ def test_data_loaders_are_deterministic() -> None:
         assert not torch.equal(first[0], other[0])
 
 
-@pytest.mark.parametrize("name", DEFAULT_OPTIMIZERS)
+@pytest.mark.parametrize("name", [*DEFAULT_OPTIMIZERS, "smmf-natural", "smmf-natural-flag"])
 def test_every_optimizer_trains_the_cnn(name: str) -> None:
     result = train_one(TASKS["digits-cnn"], name, {}, steps=40, eval_every=40, seed=0, device=torch.device("cpu"),
                        show_progress=False)
@@ -60,3 +60,21 @@ def test_cli_quick_run_writes_all_outputs(tmp_path) -> None:
     smmf = next(r for r in data["results"] if r["optimizer"] == "smmf")
     assert smmf["kwargs"]["decay_rate"] == "-0.8"
     assert all(len(r["losses"]) == 6 for r in data["results"])
+
+
+def test_compare_reports_mean_and_spread_over_seeds() -> None:
+    from smmf.bench.compare import LOSS_AT, loss_at, summary_rows
+
+    def run(seed: int, optimizer: str, final: float, losses: list[float]) -> dict:
+        return {"task": "t", "optimizer": optimizer, "label": optimizer, "metric": "m", "final_metric": final,
+                "best_metric": final, "losses": losses, "state_bytes": 1024, "peak_bytes": None, "mean_step_ms": 1.0,
+                "mean_train_step_ms": 2.0, "seed": seed}
+
+    flat, rising = [2.0] * LOSS_AT, [float(i) for i in range(LOSS_AT)]
+    assert loss_at(rising, LOSS_AT) == sum(rising[-10:]) / 10
+    headers, rows = summary_rows([run(0, "smmf", 1.0, flat), run(1, "smmf", 3.0, rising), run(0, "adam", 5.0, flat)])
+    assert [row[2] for row in rows] == [2, 1]  # seeds per optimizer
+    final = headers.index("final")
+    assert rows[0][final] == "2 ± 1.4" and rows[1][final] == "5"
+    early = rows[0][headers.index(f"train loss@{LOSS_AT} (worst seed)")]
+    assert early.endswith(f"({loss_at(rising, LOSS_AT):.4g})")  # the worse seed

@@ -1,7 +1,8 @@
 """``smmf compare``: train the same model with Adam, Adafactor, SM3, CAME and SMMF, side by side.
 
-Same seed, initialization and batch order for every optimizer. Writes a markdown and CSV table,
-a JSON with every curve, and PNG plots to ``--out``.
+Same seed, initialization and batch order for every optimizer; ``--seeds K`` repeats every run on K
+seeds and reports each figure as mean ± standard deviation over them. Writes a markdown and CSV
+table, a JSON with every curve, and PNG plots (mean curves with a min–max band) to ``--out``.
 """
 
 from __future__ import annotations
@@ -131,16 +132,51 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
     }
 
 
-def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    headers = ["task", "optimizer", "metric", "final", "best", "state KiB", "state / SMMF", f"peak MiB (steps 1-{PEAK_STEPS})",
-               "opt step ms", "train step ms"]
-    smmf_state = {r["task"]: r["state_bytes"] for r in results if r["optimizer"] == "smmf"}
-    rows = []
+# Training loss "at step k" is the mean of the LOSS_WINDOW steps ending at k (one batch is noisy).
+LOSS_AT = 100
+LOSS_WINDOW = 10
+
+
+def loss_at(losses: list[float], step: int) -> float:
+    window = losses[max(0, step - LOSS_WINDOW) : step]
+    return statistics.fmean(window) if window and len(losses) >= step else float("nan")
+
+
+def _spread(values: list[float]) -> str:
+    """``mean ± standard deviation`` (just the value for one seed)."""
+    if len(values) == 1:
+        return f"{values[0]:.4g}"
+    return f"{statistics.fmean(values):.4g} ± {statistics.stdev(values):.2g}"
+
+
+def by_run(results: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The results of each (task, optimizer), one per seed, in order of first appearance."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in results:
-        ratio = r["state_bytes"] / smmf_state[r["task"]] if smmf_state.get(r["task"]) else None
-        peak = r["peak_bytes"] / 2**20 if r["peak_bytes"] is not None else None
-        rows.append([r["task"], r["label"], r["metric"], r["final_metric"], r["best_metric"], r["state_bytes"] / 1024,
-                     ratio, peak, r["mean_step_ms"], r["mean_train_step_ms"]])
+        groups.setdefault((r["task"], r["optimizer"]), []).append(r)
+    return groups
+
+
+def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """One row per (task, optimizer): every figure as mean ± std over the seeds it ran on."""
+    headers = ["task", "optimizer", "seeds", "metric", "final", "best", f"train loss@{LOSS_AT} (worst seed)",
+               "final train loss", "state KiB", "state / SMMF", f"peak MiB (steps 1-{PEAK_STEPS})", "opt step ms",
+               "train step ms"]
+    groups = by_run(results)
+    smmf_state = {task: runs[0]["state_bytes"] for (task, name), runs in groups.items() if name == "smmf"}
+    rows = []
+    for (task, _), runs in groups.items():
+        first = runs[0]
+        ratio = first["state_bytes"] / smmf_state[task] if smmf_state.get(task) else None
+        peaks = [r["peak_bytes"] / 2**20 for r in runs if r["peak_bytes"] is not None]
+        early = [loss_at(r["losses"], LOSS_AT) for r in runs]
+        final_loss = [loss_at(r["losses"], len(r["losses"])) for r in runs]
+        worst = (max(early) if all(math.isfinite(x) for x in early) else float("nan"))
+        rows.append([task, first["label"], len(runs), first["metric"], _spread([r["final_metric"] for r in runs]),
+                     _spread([r["best_metric"] for r in runs]), f"{_spread(early)} ({worst:.4g})", _spread(final_loss),
+                     first["state_bytes"] / 1024, ratio, statistics.fmean(peaks) if peaks else None,
+                     statistics.fmean(r["mean_step_ms"] for r in runs),
+                     statistics.fmean(r["mean_train_step_ms"] for r in runs)])
     return headers, rows
 
 
@@ -170,16 +206,19 @@ def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device)
 
 
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,
-        opt_args: list[str], quick: bool, show_progress: bool = True) -> list[dict[str, Any]]:
-    """Every (task, optimizer) run, each in a fresh process (see :func:`train_in_fresh_process`)."""
+        opt_args: list[str], quick: bool, show_progress: bool = True, seeds: int = 1) -> list[dict[str, Any]]:
+    """Every (task, optimizer, seed) run, each in a fresh process (see :func:`train_in_fresh_process`);
+    seeds ``seed .. seed + seeds - 1``."""
     results = []
     for task_name in tasks:
         n_steps = steps or (20 if quick else TASKS[task_name].default_steps)
         eval_every = max(1, n_steps // (4 if quick else 20))
         for name in optimizers:
-            job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
-                       steps=n_steps, eval_every=eval_every, seed=seed, device=str(device), progress=show_progress)
-            results.append(train_in_fresh_process(job))
+            for run_seed in range(seed, seed + seeds):
+                job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
+                           steps=n_steps, eval_every=eval_every, seed=run_seed, device=str(device),
+                           progress=show_progress)
+                results.append({**train_in_fresh_process(job), "seed": run_seed})
     return results
 
 
@@ -216,7 +255,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                         help=f"comma-separated, of {', '.join(optimizer_specs('cnn'))}")
     parser.add_argument("--steps", type=int, help="training steps per run (default: per task)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--seeds", type=int, default=1, help="run every optimizer on this many seeds (from --seed)")
     parser.add_argument("--out", default="runs/compare", help="output directory")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when available")
     parser.add_argument("--opt-args", action="append", default=[], metavar="NAME:key=value,...",
@@ -233,6 +273,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
     optimizers = comma_list(PROG, "--optimizers", args.optimizers, list(known))
     if args.steps is not None and args.steps < 1:
         fail(PROG, f"--steps must be at least 1, got {args.steps}")
+    if args.seeds < 1:
+        fail(PROG, f"--seeds must be at least 1, got {args.seeds}")
     cuda_or_fail(PROG, args.device)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -260,13 +302,13 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         return 0
     tasks, optimizers, device, _, out = check_args(args)
     started = time.time()
-    results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick)
+    results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds)
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),
         "code": _code_version(),
         "machine": _machine(device),
         "seconds": time.time() - started,
-        "seed": args.seed,
+        "seeds": list(range(args.seed, args.seed + args.seeds)),
     }
     write_outputs(results, meta, out)
     headers, rows = summary_rows(results)
@@ -288,6 +330,8 @@ def _code_version() -> str:
 
 def _argv_echo(args: argparse.Namespace) -> list[str]:
     echo = [f"--tasks {args.tasks}", f"--optimizers {args.optimizers}", f"--seed {args.seed}", f"--out {args.out}"]
+    if args.seeds != 1:
+        echo.insert(3, f"--seeds {args.seeds}")
     if args.steps:
         echo.append(f"--steps {args.steps}")
     if args.quick:

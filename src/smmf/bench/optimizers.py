@@ -48,20 +48,25 @@ def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
         adafactor |= dict(lr=None, relative_step=True, scale_parameter=True)
     else:
         adafactor |= dict(lr=lr, relative_step=False, scale_parameter=False)
+    smmf = dict(lr=lr, beta=0.9, eps=1e-8, weight_decay=wd, weight_decay_mode="adam", decay_rate=-0.5,
+                growth_rate=0.999)
     return {
         "adam": OptimizerSpec("Adam", torch.optim.Adam, dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)),
         "adafactor": OptimizerSpec("Adafactor", _pyopt("AdaFactor"), adafactor, scheduled=not cnn),
         "sm3": OptimizerSpec("SM3", _pyopt("SM3"), dict(lr=lr, momentum=0.9, eps=1e-30)),  # SM3 has no weight decay
         "came": OptimizerSpec("CAME", _pyopt("CAME"), dict(lr=lr, betas=(0.9, 0.999, 0.9999), eps1=1e-30, eps2=1e-16,
                                                              clip_threshold=1.0, weight_decay=wd, weight_decouple=False)),
-        "smmf": OptimizerSpec("SMMF", SMMF, dict(lr=lr, beta=0.9, eps=1e-8, weight_decay=wd, weight_decay_mode="adam",
-                                                  decay_rate=-0.5, growth_rate=0.999)),
+        "smmf": OptimizerSpec("SMMF", SMMF, smmf),
+        # Beyond the paper (opt-in options of SMMF): M in the tensor's natural shape, then + the magnitude flag.
+        "smmf-natural": OptimizerSpec("SMMF natural", SMMF, smmf | dict(momentum_shape="natural")),
+        "smmf-natural-flag": OptimizerSpec("SMMF natural+flag", SMMF,
+                                           smmf | dict(momentum_shape="natural", magnitude_bits=1)),
         "adafactor-torch": OptimizerSpec("Adafactor (torch, no β1)", torch.optim.Adafactor,
                                          dict(lr=1e-2, beta2_decay=-0.8, weight_decay=wd)),
     }
 
 
-DEFAULT_OPTIMIZERS = OPTIMIZERS  # the paper's five; "adafactor-torch" is opt-in
+DEFAULT_OPTIMIZERS = OPTIMIZERS  # the paper's five; the SMMF variants and "adafactor-torch" are opt-in
 
 
 def parse_opt_args(items: list[str]) -> dict[str, dict[str, Any]]:

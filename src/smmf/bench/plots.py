@@ -1,4 +1,5 @@
-"""PNG plots of a comparison: loss vs step, metric vs step, optimizer state per optimizer."""
+"""PNG plots of a comparison: loss vs step, metric vs step (the mean over seeds, with a min–max
+band when there are several), optimizer state per optimizer."""
 
 from __future__ import annotations
 
@@ -16,25 +17,44 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _mean_and_band(curves: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Pointwise mean, min and max of equally long curves (cut to the shortest: a diverged run stops)."""
+    length = min(len(c) for c in curves)
+    columns = [[c[i] for c in curves] for i in range(length)]
+    return [sum(col) / len(col) for col in columns], [min(col) for col in columns], [max(col) for col in columns]
+
+
 def plot_all(results: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .compare import by_run
+
+    groups = by_run(results)
     tasks = list(dict.fromkeys(r["task"] for r in results))
     for kind, fname in (("loss", "loss.png"), ("metric", "metric.png")):
         fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
         for ax, task in zip(axes[0], tasks):
-            for r in (r for r in results if r["task"] == task):
+            for (run_task, _), runs in groups.items():
+                if run_task != task:
+                    continue
+                first = runs[0]
+                label = first["label"] + (f" ({len(runs)} seeds)" if len(runs) > 1 else "")
                 if kind == "loss":
-                    window = max(1, len(r["losses"]) // 50)
-                    ax.plot(range(1, len(r["losses"]) + 1), _smooth(r["losses"], window), label=r["label"])
+                    window = max(1, len(first["losses"]) // 50)
+                    steps = range(1, len(first["losses"]) + 1)
+                    mean, low, high = _mean_and_band([_smooth(r["losses"], window) for r in runs])
                     ax.set_ylabel(f"training loss (moving mean of {window})")
                 else:
-                    ax.plot([e["step"] for e in r["evals"]], [e[r["metric"]] for e in r["evals"]], marker="o",
-                            markersize=3, label=r["label"])
-                    ax.set_ylabel(r["metric"].replace("_", " "))
+                    steps = [e["step"] for e in first["evals"]]
+                    mean, low, high = _mean_and_band([[e[first["metric"]] for e in r["evals"]] for r in runs])
+                    ax.set_ylabel(first["metric"].replace("_", " "))
+                steps = list(steps)[: len(mean)]
+                (line,) = ax.plot(steps, mean, label=label, **({} if kind == "loss" else dict(marker="o", markersize=3)))
+                if len(runs) > 1:
+                    ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
             ax.set_title(task)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -45,11 +65,11 @@ def plot_all(results: list[dict[str, Any]], out: Path) -> None:
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        rows = [r for r in results if r["task"] == task]
+        rows = [runs[0] for (run_task, _), runs in groups.items() if run_task == task]
         kib = [r["state_bytes"] / 1024 for r in rows]
         bars = ax.bar([r["label"] for r in rows], kib, color="tab:gray")
         for bar, r in zip(bars, rows):
-            if r["optimizer"] == "smmf":
+            if r["optimizer"].startswith("smmf"):
                 bar.set_color("tab:green")
         ax.set_yscale("log")
         ax.set_ylabel("optimizer state, KiB (log scale)")
