@@ -92,3 +92,40 @@ def test_unavailable_backend_is_a_clear_error() -> None:
             SMMF([torch.nn.Parameter(torch.randn(2))], backend="triton")
     with pytest.raises(ValueError, match="Unknown backend"):
         check_backend("cuda")
+
+
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for_bit(monkeypatch) -> None:
+    """Small fp32 tensors go through one launch per step (their step is mostly launch overhead);
+    each is updated exactly as a launch of its own would update it."""
+    from smmf.kernels import numba_cpu
+
+    launches = []
+    many = numba_cpu._MANY_KERNEL
+    monkeypatch.setattr(numba_cpu, "_MANY_KERNEL", lambda *args: launches.append(args[0].shape[0]) or many(*args))
+    shapes = [(64, 64), (7,), (33, 5), (100, 200), (3, 3, 3, 3), (2, 2)]
+    for config in (dict(weight_decay=0.1), dict(beta=None, growth_rate=None)):
+        gen = torch.Generator().manual_seed(2)
+        base = [torch.randn(s, generator=gen) for s in shapes]
+        together = [torch.nn.Parameter(b.clone()) for b in base]
+        alone = [torch.nn.Parameter(b.clone()) for b in base]
+        opt = SMMF(together, backend="numba", **config)
+        singles = [SMMF([p], backend="numba", **config) for p in alone]
+        grads = [[torch.randn(p.shape, generator=gen) for p in together] for _ in range(3)]
+        launches.clear()
+        for step_grads in grads:
+            for p, g in zip(together, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        assert launches == [len(shapes)] * 3  # one launch per step
+        monkeypatch.setattr(numba_cpu, "_takes_many", lambda *args: False)  # each tensor its own launch
+        for step_grads in grads:
+            for q, single, g in zip(alone, singles, step_grads):
+                q.grad = g.clone()
+                single.step()
+        monkeypatch.undo()
+        monkeypatch.setattr(numba_cpu, "_MANY_KERNEL", lambda *args: launches.append(args[0].shape[0]) or many(*args))
+        for p, q, single in zip(together, alone, singles):
+            assert torch.equal(p, q)
+            for key, value in opt.state[p].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key

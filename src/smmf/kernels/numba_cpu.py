@@ -196,7 +196,63 @@ def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, rest2, eps, g
     return sum_v, _count_bad(grow, big) if any_bad else 0
 
 
-def _make_kernel(load, store, parallel):
+def _make_rows_pass(load, store):
+    @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
+    def rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, first_row, end_row, m, has_m,
+                  lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, sr, zero_bad, big, cap):
+        """Rows ``first_row .. end_row`` of the step (one thread): the weights and sign bits in place,
+        the rows' new factor sums into ``row_m``/``row_v`` and their column sums into ``acc_m``/``acc_v``
+        (zeroed here); returns the NaN/inf gradient elements met."""
+        # A segment's sign bits span at most tile // 8 + 2 bytes; it is unpacked with its whole first
+        # and last bytes, so the neighbours' bits go back unchanged (same thread, one after another).
+        tile = min(m, _COLUMN_TILE)
+        acc_v[:] = 0
+        acc_m[:] = 0
+        # Row sums build up over the column tiles; the old row factors are read until the end.
+        sums_m = np.zeros(end_row - first_row, dtype=row_v.dtype)
+        sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
+        wbuf = np.empty(tile, dtype=np.uint32)
+        gbuf = np.empty(tile, dtype=np.uint32)
+        lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
+        bits = lanes.view(np.uint8)
+        bad = 0
+        for c0 in range(0, m, tile):
+            c1 = min(m, c0 + tile)
+            width = c1 - c0
+            for i in range(first_row, end_row):
+                start = i * m + c0
+                if i + 1 < end_row:  # the next row's segment starts a new stream: start it early
+                    _prefetch_lines(w, start + m, min(width, _PREFETCH))
+                    _prefetch_lines(g, start + m, min(width, _PREFETCH))
+                wseg = load(w, start, width, wbuf)
+                gseg = load(g, start, width, gbuf)
+                if has_m:
+                    first = start >> 3
+                    count = ((start + width - 1) >> 3) - first + 1
+                    offset = start & 7
+                    _unpack_bytes(signs, first, count, lanes)
+                    sum_m, sum_v, seg_bad = _row_with_momentum(
+                        wseg, gseg, bits[offset : offset + width], col_m[c0:c1], col_v[c0:c1],
+                        acc_m[c0:c1], acc_v[c0:c1], row_m[i], row_v[i],
+                        lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                    _pack_bytes(signs, first, count, lanes)
+                    sums_m[i - first_row] += sum_m
+                else:
+                    sum_v, seg_bad = _row_without_momentum(
+                        wseg, gseg, col_v[c0:c1], acc_v[c0:c1], row_v[i],
+                        lr, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                sums_v[i - first_row] += sum_v
+                bad += seg_bad
+                store(w, start, wseg, sr)
+        row_v[first_row:end_row] = sums_v
+        if has_m:
+            row_m[first_row:end_row] = sums_m
+        return bad
+
+    return rows_pass
+
+
+def _make_kernel(rows_pass, parallel):
     @numba.njit(parallel=parallel, nogil=True, error_model="numpy", fastmath=_FASTMATH)
     def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, bad_counts,
                n, m, rows_per_block, lr, beta1, rest1, has_m, beta2, rest2, eps, gsign, shrink, l2, sr,
@@ -223,63 +279,64 @@ def _make_kernel(load, store, parallel):
         8), so no two threads write one byte; sums run in a fixed order for a given block layout, which
         depends on the thread count only: runs with the same count are bit-identical.
         """
-        nblocks = col_acc_v.shape[0]
-        # A segment's sign bits span at most tile // 8 + 2 bytes; it is unpacked with its whole first
-        # and last bytes, so the neighbours' bits go back unchanged (same thread, one after another).
-        tile = min(m, _COLUMN_TILE)
-        lane_bytes = tile // 8 + 2
-        for b in numba.prange(nblocks):
+        for b in numba.prange(col_acc_v.shape[0]):
             first_row = b * rows_per_block
-            end_row = min(n, first_row + rows_per_block)
-            acc_v = col_acc_v[b]
-            acc_v[:] = 0
-            acc_m = col_acc_m[b]
-            acc_m[:] = 0
-            # Row sums build up over the column tiles; the old row factors are read until the end.
-            sums_m = np.zeros(end_row - first_row, dtype=row_v.dtype)
-            sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
-            wbuf = np.empty(tile, dtype=np.uint32)
-            gbuf = np.empty(tile, dtype=np.uint32)
-            lanes = np.empty(lane_bytes, dtype=np.uint64)
-            bits = lanes.view(np.uint8)
-            bad = 0
-            for c0 in range(0, m, tile):
-                c1 = min(m, c0 + tile)
-                width = c1 - c0
-                for i in range(first_row, end_row):
-                    start = i * m + c0
-                    if i + 1 < end_row:  # the next row's segment starts a new stream: start it early
-                        _prefetch_lines(w, start + m, min(width, _PREFETCH))
-                        _prefetch_lines(g, start + m, min(width, _PREFETCH))
-                    wseg = load(w, start, width, wbuf)
-                    gseg = load(g, start, width, gbuf)
-                    if has_m:
-                        first = start >> 3
-                        count = ((start + width - 1) >> 3) - first + 1
-                        offset = start & 7
-                        _unpack_bytes(signs, first, count, lanes)
-                        sum_m, sum_v, seg_bad = _row_with_momentum(
-                            wseg, gseg, bits[offset : offset + width], col_m[c0:c1], col_v[c0:c1],
-                            acc_m[c0:c1], acc_v[c0:c1], row_m[i], row_v[i],
-                            lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
-                        _pack_bytes(signs, first, count, lanes)
-                        sums_m[i - first_row] += sum_m
-                    else:
-                        sum_v, seg_bad = _row_without_momentum(
-                            wseg, gseg, col_v[c0:c1], acc_v[c0:c1], row_v[i],
-                            lr, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
-                    sums_v[i - first_row] += sum_v
-                    bad += seg_bad
-                    store(w, start, wseg, sr)
-            row_v[first_row:end_row] = sums_v
-            if has_m:
-                row_m[first_row:end_row] = sums_m
-            bad_counts[b] = bad
+            bad_counts[b] = rows_pass(
+                w, g, signs, row_m, col_m, row_v, col_v, col_acc_m[b], col_acc_v[b],
+                first_row, min(n, first_row + rows_per_block), m, has_m,
+                lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, sr, zero_bad, big, cap)
         _finish_cols(row_v, col_v, col_acc_v)
         if has_m:
             _finish_cols(row_m, col_m, col_acc_m)
 
     return kernel
+
+
+@intrinsic
+def _address(typingctx, address):  # noqa: ARG001 - numba's intrinsic signature
+    """An integer address as a ``void*`` (for :func:`numba.carray`)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return types.voidptr(types.int64), codegen
+
+
+@numba.njit(inline="always")
+def _float_array(address, length):
+    return numba.carray(_address(address), length, np.float32)
+
+
+def _make_many_kernel(rows_pass):
+    @numba.njit(parallel=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+    def many_kernel(addresses, sizes, scalars, flags, bad_counts):
+        """The steps of many small fp32 tensors in one launch, one tensor per thread at a time.
+
+        Per tensor t: ``addresses[t]`` = data addresses of (w, g, signs, row_m, col_m, row_v, col_v),
+        ``sizes[t]`` = (n, m), ``scalars[t]`` = (lr, beta1, rest1, beta2, rest2, eps, gsign, shrink,
+        l2, big, cap), ``flags[t]`` = (has_m, zero_bad); the arrays are what :func:`_make_kernel`'s
+        kernel takes, one block per tensor. The caller keeps every tensor alive.
+        """
+        for t in numba.prange(addresses.shape[0]):
+            n, m = sizes[t, 0], sizes[t, 1]
+            has_m = flags[t, 0] != 0
+            mm = m if has_m else 0
+            a = addresses[t]
+            sc = scalars[t]
+            signs = numba.carray(_address(a[2]), (n * m + 7) // 8 if has_m else 0, np.uint8)
+            row_m, col_m = _float_array(a[3], n if has_m else 0), _float_array(a[4], mm)
+            row_v, col_v = _float_array(a[5], n), _float_array(a[6], m)
+            col_acc_m = np.empty((1, mm), dtype=np.float32)
+            col_acc_v = np.empty((1, m), dtype=np.float32)
+            bad_counts[t] = rows_pass(
+                _float_array(a[0], n * m), _float_array(a[1], n * m), signs, row_m, col_m, row_v, col_v,
+                col_acc_m[0], col_acc_v[0], 0, n, m, has_m,
+                sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], False, flags[t, 1] != 0, sc[9], sc[10])
+            _finish_cols(row_v, col_v, col_acc_v)
+            if has_m:
+                _finish_cols(row_m, col_m, col_acc_m)
+
+    return many_kernel
 
 
 @numba.njit(inline="always")
@@ -303,11 +360,10 @@ _PARALLEL_LAUNCH = threading.Lock()
 
 # Small tensors run on one thread: waking the thread pool costs more than their whole step.
 _PARALLEL_MIN_NUMEL = 1 << 16
-_KERNELS = {
-    (bf16, parallel): _make_kernel(_load_bf16 if bf16 else _load_float, _store_bf16 if bf16 else _store_float, parallel)
-    for bf16 in (False, True)
-    for parallel in (False, True)
-}
+_ROWS_PASS = {bf16: _make_rows_pass(_load_bf16 if bf16 else _load_float, _store_bf16 if bf16 else _store_float)
+              for bf16 in (False, True)}
+_KERNELS = {(bf16, parallel): _make_kernel(_ROWS_PASS[bf16], parallel) for bf16 in (False, True) for parallel in (False, True)}
+_MANY_KERNEL = _make_many_kernel(_ROWS_PASS[False])
 
 
 def _block_layout(rows: int, cols: int) -> tuple[int, int]:
@@ -382,3 +438,46 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     if weight.data_ptr() != param.data_ptr():
         param.detach().copy_(weight)
     return int(bad_counts.sum()) if cfg.zero_nonfinite else 0
+
+
+def _scalars(cfg: StepConfig, rows: int, cols: int) -> list[float]:
+    """The per-tensor scalars of :func:`_make_many_kernel`'s kernel (fp32 work dtype)."""
+    has_m = cfg.beta1 is not None
+    return [cfg.lr, cfg.beta1 if has_m else 0.0, 1.0 - cfg.beta1 if has_m else 0.0, cfg.beta2, 1.0 - cfg.beta2,
+            cfg.eps, *cfg.folded(), float(torch.finfo(torch.float32).max), factor_sum_cap(rows * cols, torch.float32)]
+
+
+def _takes_many(param: Tensor, state: dict[str, Any]) -> bool:
+    """Small contiguous fp32 tensors: their step is mostly per-launch overhead, so they share one."""
+    return (param.dtype == torch.float32 and 0 < param.numel() < _PARALLEL_MIN_NUMEL and param.is_contiguous()
+            and state[ROW_V].dtype == torch.float32)
+
+
+def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> int:
+    """The steps of many tensors: the small fp32 ones in one launch, the rest one by one."""
+    bad = 0
+    rows_of_addresses, sizes, scalars, flags, alive = [], [], [], [], []
+    for param, grad, state, cfg in items:
+        if not _takes_many(param, state):
+            bad += numba_step_(param, grad, state, cfg)
+            continue
+        rows, cols = matrix_shape(param)
+        grad = grad.contiguous()
+        alive.append(grad)
+        has_m = cfg.beta1 is not None
+        moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
+        rows_of_addresses.append((param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(),
+                                  state[COL_V].data_ptr()))
+        sizes.append((rows, cols))
+        scalars.append(_scalars(cfg, rows, cols))
+        flags.append((has_m, cfg.zero_nonfinite))
+    if rows_of_addresses:
+        bad_counts = np.zeros(len(sizes), dtype=np.int64)
+        with _PARALLEL_LAUNCH:
+            _MANY_KERNEL(np.array(rows_of_addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                         np.array(scalars, dtype=np.float32), np.array(flags, dtype=np.int64), bad_counts)
+        bad += int(sum(count for count, (_, zero_bad) in zip(bad_counts.tolist(), flags) if zero_bad))
+    return bad
+
+
+numba_step_.batched = numba_steps_  # type: ignore[attr-defined]
