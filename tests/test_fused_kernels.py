@@ -18,8 +18,11 @@ CONFIGS = {
     "adam-l2": dict(weight_decay=0.01, weight_decay_mode="adam"),
     "no-first-moment": dict(beta=None, growth_rate=None),
     "maximize": dict(maximize=True, decay_rate=-0.8),
+    # Beyond the paper: M in the natural shape (129 rows of 600 against V's 300×258, whose rows end
+    # mid-byte; blocks of V rows end mid-row of M), the numba kernel's; Triton hands it to the torch path.
+    "natural-shape": dict(momentum_shape="natural", weight_decay=0.1),
 }
-SHAPES = [*ZOO_SHAPES, (768,), (64, 3, 7, 7), (257, 33), (96, 40)]
+SHAPES = [*ZOO_SHAPES, (768,), (64, 3, 7, 7), (257, 33), (129, 600), (96, 40)]
 FROZEN_AFTER = 10  # the last shape gets no gradient from this step on (a frozen param mid-run)
 # Dtypes each kernel covers (fp16 on CPU takes the torch path under "auto" and is not a kernel case).
 DTYPES = {"numba": [torch.float32, torch.bfloat16], "triton": [torch.float32, torch.bfloat16, torch.float16]}

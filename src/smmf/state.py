@@ -67,14 +67,14 @@ def has_plain_momentum_code(group: Mapping[str, Any]) -> bool:
     return group.get("momentum_shape", "square") == "square" and group.get("magnitude_bits", 0) == 0
 
 
-def kernels_cover_state(state: Mapping[str, Any]) -> bool:
-    """Whether the fused kernels can update this state: M (if any) coded as in the paper, in V's view
-    (a natural shape that happens to be V's square one is the paper's code)."""
+def momentum_code(state: Mapping[str, Any]) -> str:
+    """Which code the state's M uses: ``"paper"`` (sign + rank-1 in V's view; also a natural shape
+    that is V's square one), ``"natural"`` (sign + rank-1 in another view) or ``"flag"``."""
     if FLAG_M in state:
-        return False
-    return ROW_M not in state or (
-        state[ROW_M].shape[0] == state[ROW_V].shape[0] and state[COL_M].shape[0] == state[COL_V].shape[0]
-    )
+        return "flag"
+    if ROW_M in state and (state[ROW_M].shape[0], state[COL_M].shape[0]) != (state[ROW_V].shape[0], state[COL_V].shape[0]):
+        return "natural"
+    return "paper"
 
 
 def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpec]:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..functional import StepConfig, torch_step_
 from ..sharding import is_dtensor, shard_info
-from ..state import EXP_AVG_SQ, kernels_cover_state, real_view
+from ..state import EXP_AVG_SQ, momentum_code, real_view
 
 __all__ = ["BACKENDS", "available_backends", "check_backend", "step_kernel"]
 
@@ -62,7 +62,8 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     ``auto`` takes the Triton kernel for CUDA parameters (fp32, bf16, fp16 and complex of those)
     and the numba kernel for CPU ones (fp32, fp64, bf16) where installed. The torch path takes the
     rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU, the
-    beyond-the-paper momentum codes (:func:`smmf.state.kernels_cover_state`). DTensor
+    beyond-the-paper momentum codes the kernels do not implement (:func:`smmf.state.momentum_code`:
+    numba takes the natural shape, neither takes the magnitude flag). DTensor
     (FSDP2) parameters take the sharded torch path. A named backend that cannot take ``param``
     raises ``RuntimeError``.
     """
@@ -73,23 +74,24 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
         return sharded_step_
     if backend == "torch" or EXP_AVG_SQ in state or (param.is_complex() and not param.is_cuda):
         return torch_step_
-    if not kernels_cover_state(state):
-        if backend == "auto":
-            return torch_step_
-        raise RuntimeError(
-            f"backend {backend!r} implements the paper's momentum code only, not momentum_shape='natural' (for a "
-            f"tensor whose natural shape is not its square one) or magnitude_bits=1; use backend='auto' or 'torch'"
-        )
-    if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba"):
+    code = momentum_code(state)
+    if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba") and code != "flag":
         from .numba_cpu import numba_step_
 
         return numba_step_
-    if backend in ("auto", "triton") and _triton_covers(param) and _has_module("triton"):
+    if backend in ("auto", "triton") and _triton_covers(param) and _has_module("triton") and code == "paper":
         from .triton_gpu import triton_step_
 
         return triton_step_
     if backend == "auto":
         return torch_step_
+    if (backend == "numba" and _numba_covers(param) and code == "flag") or (
+        backend == "triton" and _triton_covers(param) and code != "paper"
+    ):
+        raise RuntimeError(
+            f"backend {backend!r} does not implement this momentum code ({code}: the numba kernel takes "
+            "momentum_shape='natural', neither kernel takes magnitude_bits=1); use backend='auto' or 'torch'"
+        )
     raise RuntimeError(
         f"backend {backend!r} cannot update a {param.dtype} parameter on {param.device}; "
         "use backend='auto' to fall back to the torch path"

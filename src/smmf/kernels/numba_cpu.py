@@ -196,20 +196,49 @@ def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, rest2, eps, g
     return sum_v, _count_bad(grow, big) if any_bad else 0
 
 
+@numba.njit(inline="always")
+def _first_m_row(first_row, m, m_cols):
+    """The first row of M's view that row ``first_row`` of V's view (m columns) touches."""
+    return (first_row * m) // m_cols
+
+
+@numba.njit(inline="always")
+def _m_rows_touched(rows, m, m_cols):
+    """At most this many rows of M's view hold elements of ``rows`` consecutive rows of V's."""
+    return (rows * m + m_cols - 1) // m_cols + 1
+
+
+@numba.njit(inline="always")
+def _gather_m_rows(row_m, row_acc_m, n, m, m_cols, rows_per_block):
+    """M's row factor sums: every block's partial sums of the rows it touched, added up."""
+    row_m[:] = 0
+    for b in range(row_acc_m.shape[0]):
+        first_row = b * rows_per_block
+        end_row = min(n, first_row + rows_per_block)
+        lo = _first_m_row(first_row, m, m_cols)
+        hi = (end_row * m - 1) // m_cols + 1
+        for r in range(lo, hi):
+            row_m[r] += row_acc_m[b, r - lo]
+
+
 def _make_rows_pass(load, store):
     @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
-    def rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, first_row, end_row, m, has_m,
-                  lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, sr, zero_bad, big, cap):
-        """Rows ``first_row .. end_row`` of the step (one thread): the weights and sign bits in place,
-        the rows' new factor sums into ``row_m``/``row_v`` and their column sums into ``acc_m``/``acc_v``
-        (zeroed here); returns the NaN/inf gradient elements met."""
+    def rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, first_row, end_row, m, m_cols,
+                  has_m, lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, sr, zero_bad, big, cap):
+        """Rows ``first_row .. end_row`` of V's n×m view (one thread): the weights and sign bits in
+        place, the rows' new V sums into ``row_v``, the column sums into ``acc_m``/``acc_v`` and the
+        sums of the rows of M's own view (``m_cols`` columns; ``m`` unless momentum_shape="natural")
+        that these elements touch into ``msums``, from :func:`_first_m_row` on (all zeroed here);
+        returns the NaN/inf gradient elements met. M's row factors are only read: the caller adds
+        up ``msums`` of every block once all have run."""
         # A segment's sign bits span at most tile // 8 + 2 bytes; it is unpacked with its whole first
         # and last bytes, so the neighbours' bits go back unchanged (same thread, one after another).
         tile = min(m, _COLUMN_TILE)
         acc_v[:] = 0
         acc_m[:] = 0
+        msums[:] = 0
+        m_row0 = _first_m_row(first_row, m, m_cols)
         # Row sums build up over the column tiles; the old row factors are read until the end.
-        sums_m = np.zeros(end_row - first_row, dtype=row_v.dtype)
         sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
         wbuf = np.empty(tile, dtype=np.uint32)
         gbuf = np.empty(tile, dtype=np.uint32)
@@ -231,12 +260,25 @@ def _make_rows_pass(load, store):
                     count = ((start + width - 1) >> 3) - first + 1
                     offset = start & 7
                     _unpack_bytes(signs, first, count, lanes)
-                    sum_m, sum_v, seg_bad = _row_with_momentum(
-                        wseg, gseg, bits[offset : offset + width], col_m[c0:c1], col_v[c0:c1],
-                        acc_m[c0:c1], acc_v[c0:c1], row_m[i], row_v[i],
-                        lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                    # The segment in runs along one row of M's view (one run when it is V's).
+                    sum_v = beta2 - beta2  # 0 in the work dtype
+                    seg_bad = 0
+                    k = start
+                    while k < start + width:
+                        m_row = k // m_cols
+                        m_col = k - m_row * m_cols
+                        j0 = k - start
+                        j1 = min(width, (m_row + 1) * m_cols - start)
+                        run_m, run_v, run_bad = _row_with_momentum(
+                            wseg[j0:j1], gseg[j0:j1], bits[offset + j0 : offset + j1],
+                            col_m[m_col : m_col + j1 - j0], col_v[c0 + j0 : c0 + j1],
+                            acc_m[m_col : m_col + j1 - j0], acc_v[c0 + j0 : c0 + j1], row_m[m_row], row_v[i],
+                            lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                        msums[m_row - m_row0] += run_m
+                        sum_v += run_v
+                        seg_bad += run_bad
+                        k = start + j1
                     _pack_bytes(signs, first, count, lanes)
-                    sums_m[i - first_row] += sum_m
                 else:
                     sum_v, seg_bad = _row_without_momentum(
                         wseg, gseg, col_v[c0:c1], acc_v[c0:c1], row_v[i],
@@ -245,8 +287,6 @@ def _make_rows_pass(load, store):
                 bad += seg_bad
                 store(w, start, wseg, sr)
         row_v[first_row:end_row] = sums_v
-        if has_m:
-            row_m[first_row:end_row] = sums_m
         return bad
 
     return rows_pass
@@ -254,8 +294,8 @@ def _make_rows_pass(load, store):
 
 def _make_kernel(rows_pass, parallel):
     @numba.njit(parallel=parallel, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-    def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, bad_counts,
-               n, m, rows_per_block, lr, beta1, rest1, has_m, beta2, rest2, eps, gsign, shrink, l2, sr,
+    def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
+               n, m, m_cols, rows_per_block, lr, beta1, rest1, has_m, beta2, rest2, eps, gsign, shrink, l2, sr,
                zero_bad, big, cap):
         """One SMMF step of one n×m matrix, in place.
 
@@ -264,11 +304,14 @@ def _make_kernel(rows_pass, parallel):
                            bf16 (``load``/``store`` convert); w is read and written, g only read
           signs            uint8, ceil(n·m/8): the sign bits of M, bit k%8 of byte k//8 set when
                            element k is ≥ 0 — the layout :func:`smmf.matrix.pack_signs` specifies
-          row_m, col_m     work dtype, n and m: the factors of |M| (unused without a first moment)
+          row_m, col_m     work dtype: the factors of |M| in M's own view (n·m / m_cols rows, m_cols
+                           columns; V's view unless momentum_shape="natural"); unused without a
+                           first moment
           row_v, col_v     work dtype, n and m: the factors of V
-          col_acc_m/_v     work dtype, blocks × m: scratch for each block's column sums
+          col_acc_m/_v     work dtype, blocks × m_cols / m: scratch for each block's column sums
+          row_acc_m        work dtype, blocks × :func:`_m_rows_touched`: each block's M row sums
           bad_counts       int64, blocks: NaN/inf gradient elements each block met
-        Scalars: rows_per_block; lr; beta1, beta2 (this step's β1_t, β2_t; has_m False: no first
+        Scalars: m_cols; rows_per_block; lr; beta1, beta2 (this step's β1_t, β2_t; has_m False: no first
         moment) and rest1, rest2 (1 − β1_t, 1 − β2_t, rounded once from float64 as on the torch path
         — and opaque to LLVM, which would otherwise rewrite β·a + (1 − β)·b as b + β·(a − b), NaN
         when b is inf); eps; gsign, shrink, l2 from :meth:`StepConfig.folded`; sr: stochastic rounding
@@ -282,11 +325,12 @@ def _make_kernel(rows_pass, parallel):
         for b in numba.prange(col_acc_v.shape[0]):
             first_row = b * rows_per_block
             bad_counts[b] = rows_pass(
-                w, g, signs, row_m, col_m, row_v, col_v, col_acc_m[b], col_acc_v[b],
-                first_row, min(n, first_row + rows_per_block), m, has_m,
+                w, g, signs, row_m, col_m, row_v, col_v, col_acc_m[b], col_acc_v[b], row_acc_m[b],
+                first_row, min(n, first_row + rows_per_block), m, m_cols, has_m,
                 lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, sr, zero_bad, big, cap)
         _finish_cols(row_v, col_v, col_acc_v)
         if has_m:
+            _gather_m_rows(row_m, row_acc_m, n, m, m_cols, rows_per_block)
             _finish_cols(row_m, col_m, col_acc_m)
 
     return kernel
@@ -313,27 +357,29 @@ def _make_many_kernel(rows_pass):
         """The steps of many small fp32 tensors in one launch, one tensor per thread at a time.
 
         Per tensor t: ``addresses[t]`` = data addresses of (w, g, signs, row_m, col_m, row_v, col_v),
-        ``sizes[t]`` = (n, m), ``scalars[t]`` = (lr, beta1, rest1, beta2, rest2, eps, gsign, shrink,
+        ``sizes[t]`` = (n, m, m_cols), ``scalars[t]`` = (lr, beta1, rest1, beta2, rest2, eps, gsign, shrink,
         l2, big, cap), ``flags[t]`` = (has_m, zero_bad); the arrays are what :func:`_make_kernel`'s
         kernel takes, one block per tensor. The caller keeps every tensor alive.
         """
         for t in numba.prange(addresses.shape[0]):
-            n, m = sizes[t, 0], sizes[t, 1]
+            n, m, m_cols = sizes[t, 0], sizes[t, 1], sizes[t, 2]
             has_m = flags[t, 0] != 0
-            mm = m if has_m else 0
+            m_rows = n * m // m_cols if has_m else 0
             a = addresses[t]
             sc = scalars[t]
             signs = numba.carray(_address(a[2]), (n * m + 7) // 8 if has_m else 0, np.uint8)
-            row_m, col_m = _float_array(a[3], n if has_m else 0), _float_array(a[4], mm)
+            row_m, col_m = _float_array(a[3], m_rows), _float_array(a[4], m_cols if has_m else 0)
             row_v, col_v = _float_array(a[5], n), _float_array(a[6], m)
-            col_acc_m = np.empty((1, mm), dtype=np.float32)
+            col_acc_m = np.empty((1, col_m.shape[0]), dtype=np.float32)
             col_acc_v = np.empty((1, m), dtype=np.float32)
+            row_acc_m = np.empty((1, _m_rows_touched(n, m, m_cols)), dtype=np.float32)
             bad_counts[t] = rows_pass(
                 _float_array(a[0], n * m), _float_array(a[1], n * m), signs, row_m, col_m, row_v, col_v,
-                col_acc_m[0], col_acc_v[0], 0, n, m, has_m,
+                col_acc_m[0], col_acc_v[0], row_acc_m[0], 0, n, m, m_cols, has_m,
                 sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], False, flags[t, 1] != 0, sc[9], sc[10])
             _finish_cols(row_v, col_v, col_acc_v)
             if has_m:
+                _gather_m_rows(row_m, row_acc_m, n, m, m_cols, n)
                 _finish_cols(row_m, col_m, col_acc_m)
 
     return many_kernel
@@ -397,8 +443,10 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     has_m = cfg.beta1 is not None
     dtype = state[ROW_V].dtype
     scalar = np.float64 if dtype == torch.float64 else np.float32
-    col_acc_m = np.empty((blocks, cols if has_m else 0), dtype=scalar)
+    m_cols = state[COL_M].numel() if has_m else cols  # M's own view: V's unless momentum_shape="natural"
+    col_acc_m = np.empty((blocks, m_cols if has_m else 0), dtype=scalar)
     col_acc_v = np.empty((blocks, cols), dtype=scalar)
+    row_acc_m = np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     parallel = rows * cols >= _PARALLEL_MIN_NUMEL
     kernel = _KERNELS[param.dtype == torch.bfloat16, parallel]
@@ -413,9 +461,11 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
         state[COL_V].numpy(),
         col_acc_m,
         col_acc_v,
+        row_acc_m,
         bad_counts,
         rows,
         cols,
+        m_cols,
         rows_per_block,
         scalar(cfg.lr),
         scalar(cfg.beta1 if has_m else 0.0),
@@ -468,7 +518,7 @@ def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]])
         moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
         rows_of_addresses.append((param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(),
                                   state[COL_V].data_ptr()))
-        sizes.append((rows, cols))
+        sizes.append((rows, cols, state[COL_M].numel() if has_m else cols))
         scalars.append(_scalars(cfg, rows, cols))
         flags.append((has_m, cfg.zero_nonfinite))
     if rows_of_addresses:
