@@ -3,8 +3,8 @@
 :func:`_factored_update` is Alg. 1 of the paper for one n×m matrix, line by line: decompress the
 momenta from their factors and sign bits, update them with this step's gradient, compress them
 again, and return the step direction built from the *uncompressed* momenta. Beyond the paper
-(opt-in), M may be factorized in the tensor's natural shape and carry a 1-bit magnitude flag;
-both live here only (the fused kernels implement the paper's code). FSDP2 shards run the
+(opt-in), M may be factorized in the tensor's natural shape (the numba kernel does that too) and
+carry a 1-bit magnitude flag (here only). FSDP2 shards run the
 same algorithm on their band of rows in :mod:`smmf.distributed`; the fused kernels in
 :mod:`smmf.kernels` are tested against this file.
 """

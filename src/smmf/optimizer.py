@@ -219,11 +219,12 @@ class SMMF(Optimizer):
             says whether |M| is above r cᵀ, and two per-tensor levels scale r cᵀ where it is / is not,
             so that small momentum coordinates are no longer given their row's average (default: 0).
             Both options cut an early-training stall on language models; see the README's "Beyond
-            the paper". They run on the torch path (the fused kernels implement the paper's code).
+            the paper". The numba kernel takes the natural shape; the flag, and the natural shape on
+            CUDA, run on the torch path.
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
             params, each when installed; the torch path for what they do not cover: dense 1-D
-            state, fp64 on CUDA, fp16 and complex on CPU, DTensor shards, the beyond-the-paper
-            momentum codes), or one of ``"torch"``, ``"numba"``, ``"triton"``, which raises for a
+            state, fp64 on CUDA, fp16 and complex on CPU, DTensor shards, the magnitude flag, the
+            natural shape on CUDA), or one of ``"torch"``, ``"numba"``, ``"triton"``, which raises for a
             param it cannot take (default: ``"auto"``).
 
     .. note::
