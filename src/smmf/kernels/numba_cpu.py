@@ -75,7 +75,7 @@ def _store_float(dst, start, row, sr):  # noqa: ARG001 - the row already lives i
 def _load_bf16(src, start, length, buf):
     for j in range(length):
         buf[j] = (np.uint32(src[start + j]) & np.uint32(0xFFFF)) << np.uint32(16)
-    return buf.view(np.float32)
+    return buf[:length].view(np.float32)  # a row's last tile is shorter than the buffer
 
 
 @numba.njit(inline="always")
