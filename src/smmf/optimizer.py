@@ -16,6 +16,7 @@ from .kernels import check_backend, step_kernel
 from .schedules import beta1_at, beta2_at
 from .state import (
     MAGNITUDE_BITS,
+    MOMENTUM_CODE_DEFAULTS,
     MOMENTUM_SHAPES,
     STEP,
     check_loaded_state,
@@ -32,9 +33,6 @@ NONFINITE_GRADS = ("zero", "propagate")
 # Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
 # constructor's values are kept. ``backend`` is never taken from a checkpoint.
 _OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads", "momentum_shape", "magnitude_bits")
-# Options that decide the state's layout: a checkpoint written with others cannot be continued.
-# Checkpoints that lack them were written with the paper's code.
-_LAYOUT_DEFAULTS = {"momentum_shape": "square", "magnitude_bits": 0}
 # Keys that learning-rate schedulers add to param groups.
 _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum")
 
@@ -302,7 +300,7 @@ class SMMF(Optimizer):
             group.setdefault("stochastic_rounding", False)
             group.setdefault("nonfinite_grads", "zero")
             group.setdefault("backend", "auto")
-            for key, default in _LAYOUT_DEFAULTS.items():
+            for key, default in MOMENTUM_CODE_DEFAULTS.items():
                 group.setdefault(key, default)
         self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
 
@@ -428,7 +426,9 @@ class SMMF(Optimizer):
                     f"loaded parameter group {index} does not hold SMMF's options (lacks {missing}, has unknown "
                     f"{foreign}): is it another optimizer's state dict?"
                 )
-            for key, default in _LAYOUT_DEFAULTS.items():
+            # The options that decide the state's layout: a checkpoint written with others cannot be
+            # continued (one without them was written with the paper's code).
+            for key, default in MOMENTUM_CODE_DEFAULTS.items():
                 if saved.get(key, default) != group[key]:
                     raise ValueError(
                         f"loaded parameter group {index} was written with {key}={saved.get(key, default)!r}, this "

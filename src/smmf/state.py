@@ -24,6 +24,12 @@ ROW_V, COL_V = "row_v", "col_v"
 FLAG_M, LEVELS_M = "flag_m", "levels_m"
 MOMENTUM_SHAPES = ("square", "natural")
 MAGNITUDE_BITS = (0, 1)
+# The options that decide M's code, at the paper's values: what a group (or a checkpoint) without them has.
+MOMENTUM_CODE_DEFAULTS: dict[str, Any] = {"momentum_shape": "square", "magnitude_bits": 0}
+
+
+def momentum_option(group: Mapping[str, Any], key: str) -> Any:
+    return group.get(key, MOMENTUM_CODE_DEFAULTS[key])
 # Keys of the dense state (1-D parameters when ``vector_reshape=False``).
 EXP_AVG, EXP_AVG_SQ = "exp_avg", "exp_avg_sq"
 STEP = "step"
@@ -57,14 +63,14 @@ def momentum_matrix_shape(param: Tensor, group: Mapping[str, Any]) -> tuple[int,
     """The n×m view of M: square, or with ``momentum_shape="natural"`` (dim 0, the rest) for tensors of
     two or more dims (a conv weight: out_channels × the rest); 1-D tensors stay square."""
     real = real_view(param)
-    if group.get("momentum_shape", "square") == "natural" and real.dim() >= 2 and real.numel() > 0:
+    if momentum_option(group, "momentum_shape") == "natural" and real.dim() >= 2 and real.numel() > 0:
         return real.shape[0], real.numel() // real.shape[0]
     return matrix_shape(param)
 
 
 def has_plain_momentum_code(group: Mapping[str, Any]) -> bool:
     """The paper's code for M (square, sign + rank-1): what the fused kernels implement."""
-    return group.get("momentum_shape", "square") == "square" and group.get("magnitude_bits", 0) == 0
+    return all(momentum_option(group, key) == default for key, default in MOMENTUM_CODE_DEFAULTS.items())
 
 
 def momentum_code(state: Mapping[str, Any]) -> str:
@@ -99,7 +105,7 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
         layout[COL_M] = TensorSpec((m_cols,), dtype)
         sign_bytes = packed_sign_bytes(rows * cols) if info is None else info.sign_bytes * (info.world if info.sharded else 1)
         layout[SIGN_M] = TensorSpec((sign_bytes,), torch.uint8)
-        if group.get("magnitude_bits", 0) == 1:
+        if momentum_option(group, "magnitude_bits") == 1:
             layout[FLAG_M] = TensorSpec((sign_bytes,), torch.uint8)
             layout[LEVELS_M] = TensorSpec((2,), dtype)
     layout[ROW_V] = TensorSpec((rows,), dtype)

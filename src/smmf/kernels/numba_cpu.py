@@ -148,6 +148,17 @@ def _capped(x, cap):
 
 
 @numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _element(w, g, col_v, rv, beta2, rest2, gsign, shrink, l2, keep_bad, big, zero):
+    """One element's decayed weight, prepared gradient and this step's V; and whether the raw
+    gradient was finite (NaN/inf become 0 unless ``keep_bad``)."""
+    wj = w * shrink
+    graw = g * gsign
+    finite = abs(graw) <= big  # False for NaN
+    gj = (graw if finite | keep_bad else zero) + l2 * wj  # bitwise: no branch in the loop
+    return wj, gj, beta2 * (rv * col_v) + rest2 * (gj * gj), finite
+
+
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _row_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv,
                        lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap):
     """One row segment; ``nonneg`` holds its stored sign bits as 0/1 and gets the new ones."""
@@ -157,12 +168,8 @@ def _row_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv,
     any_bad = False
     keep_bad = not zero_bad
     for j in range(wrow.shape[0]):
-        wj = wrow[j] * shrink
-        graw = grow[j] * gsign
-        finite = abs(graw) <= big  # False for NaN
+        wj, gj, vj, finite = _element(wrow[j], grow[j], col_v[j], rv, beta2, rest2, gsign, shrink, l2, keep_bad, big, zero)
         any_bad |= not finite
-        gj = (graw if finite | keep_bad else zero) + l2 * wj  # bitwise: no branch in the loop
-        vj = beta2 * (rv * col_v[j]) + rest2 * (gj * gj)
         mag = rm * col_m[j]
         mj = beta1 * (mag if nonneg[j] else -mag) + rest1 * gj
         nonneg[j] = mj >= 0
@@ -183,12 +190,8 @@ def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, rest2, eps, g
     any_bad = False
     keep_bad = not zero_bad
     for j in range(wrow.shape[0]):
-        wj = wrow[j] * shrink
-        graw = grow[j] * gsign
-        finite = abs(graw) <= big  # False for NaN
+        wj, gj, vj, finite = _element(wrow[j], grow[j], col_v[j], rv, beta2, rest2, gsign, shrink, l2, keep_bad, big, zero)
         any_bad |= not finite
-        gj = (graw if finite | keep_bad else zero) + l2 * wj  # bitwise: no branch in the loop
-        vj = beta2 * (rv * col_v[j]) + rest2 * (gj * gj)
         vs = _capped(vj, cap)
         sum_v += vs
         acc_v[j] += vs
@@ -295,8 +298,8 @@ def _make_rows_pass(load, store):
 def _make_kernel(rows_pass, parallel):
     @numba.njit(parallel=parallel, nogil=True, error_model="numpy", fastmath=_FASTMATH)
     def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
-               n, m, m_cols, rows_per_block, lr, beta1, rest1, has_m, beta2, rest2, eps, gsign, shrink, l2, sr,
-               zero_bad, big, cap):
+               n, m, m_cols, rows_per_block, has_m, sr, zero_bad,
+               lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap):
         """One SMMF step of one n×m matrix, in place.
 
         Arrays (flat, row-major; "work" is float32, or float64 for fp64 params):
@@ -311,12 +314,13 @@ def _make_kernel(rows_pass, parallel):
           col_acc_m/_v     work dtype, blocks × m_cols / m: scratch for each block's column sums
           row_acc_m        work dtype, blocks × :func:`_m_rows_touched`: each block's M row sums
           bad_counts       int64, blocks: NaN/inf gradient elements each block met
-        Scalars: m_cols; rows_per_block; lr; beta1, beta2 (this step's β1_t, β2_t; has_m False: no first
-        moment) and rest1, rest2 (1 − β1_t, 1 − β2_t, rounded once from float64 as on the torch path
-        — and opaque to LLVM, which would otherwise rewrite β·a + (1 − β)·b as b + β·(a − b), NaN
-        when b is inf); eps; gsign, shrink, l2 from :meth:`StepConfig.folded`; sr: stochastic rounding
-        (bf16); zero_bad: NaN/inf gradient elements count as 0; big: the work dtype's largest
-        finite value; cap: :func:`smmf.matrix.factor_sum_cap`.
+        Scalars: m_cols; rows_per_block; has_m (False: no first moment); sr: stochastic rounding
+        (bf16); zero_bad: NaN/inf gradient elements count as 0; then :func:`_scalars`: lr; beta1,
+        beta2 (this step's β1_t, β2_t) and rest1, rest2 (1 − β1_t, 1 − β2_t, rounded once from
+        float64 as on the torch path — and opaque to LLVM, which would otherwise rewrite
+        β·a + (1 − β)·b as b + β·(a − b), NaN when b is inf); eps; gsign, shrink, l2 from
+        :meth:`StepConfig.folded`; big: the work dtype's largest finite value; cap:
+        :func:`smmf.matrix.factor_sum_cap`.
 
         Invariants: every block starts on a byte of ``signs`` (rows_per_block·m is a multiple of
         8), so no two threads write one byte; sums run in a fixed order for a given block layout, which
@@ -357,8 +361,8 @@ def _make_many_kernel(rows_pass):
         """The steps of many small fp32 tensors in one launch, one tensor per thread at a time.
 
         Per tensor t: ``addresses[t]`` = data addresses of (w, g, signs, row_m, col_m, row_v, col_v),
-        ``sizes[t]`` = (n, m, m_cols), ``scalars[t]`` = (lr, beta1, rest1, beta2, rest2, eps, gsign, shrink,
-        l2, big, cap), ``flags[t]`` = (has_m, zero_bad); the arrays are what :func:`_make_kernel`'s
+        ``sizes[t]`` = (n, m, m_cols), ``scalars[t]`` = :func:`_scalars`, ``flags[t]`` = (has_m,
+        zero_bad); the arrays are what :func:`_make_kernel`'s
         kernel takes, one block per tensor. The caller keeps every tensor alive.
         """
         for t in numba.prange(addresses.shape[0]):
@@ -443,7 +447,7 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     has_m = cfg.beta1 is not None
     dtype = state[ROW_V].dtype
     scalar = np.float64 if dtype == torch.float64 else np.float32
-    m_cols = state[COL_M].numel() if has_m else cols  # M's own view: V's unless momentum_shape="natural"
+    m_cols = _momentum_cols(state, cols)
     col_acc_m = np.empty((blocks, m_cols if has_m else 0), dtype=scalar)
     col_acc_v = np.empty((blocks, cols), dtype=scalar)
     row_acc_m = np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar)
@@ -467,18 +471,10 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
         cols,
         m_cols,
         rows_per_block,
-        scalar(cfg.lr),
-        scalar(cfg.beta1 if has_m else 0.0),
-        scalar(1.0 - cfg.beta1 if has_m else 0.0),
         has_m,
-        scalar(cfg.beta2),
-        scalar(1.0 - cfg.beta2),
-        scalar(cfg.eps),
-        *(scalar(x) for x in cfg.folded()),
         cfg.stochastic_rounding,
         cfg.zero_nonfinite,
-        scalar(torch.finfo(dtype).max),
-        scalar(factor_sum_cap(rows * cols, dtype)),
+        *(scalar(x) for x in _scalars(cfg, rows * cols, dtype)),
     )
     if parallel:
         with _PARALLEL_LAUNCH:
@@ -490,11 +486,18 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     return int(bad_counts.sum()) if cfg.zero_nonfinite else 0
 
 
-def _scalars(cfg: StepConfig, rows: int, cols: int) -> list[float]:
-    """The per-tensor scalars of :func:`_make_many_kernel`'s kernel (fp32 work dtype)."""
-    has_m = cfg.beta1 is not None
-    return [cfg.lr, cfg.beta1 if has_m else 0.0, 1.0 - cfg.beta1 if has_m else 0.0, cfg.beta2, 1.0 - cfg.beta2,
-            cfg.eps, *cfg.folded(), float(torch.finfo(torch.float32).max), factor_sum_cap(rows * cols, torch.float32)]
+def _scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> list[float]:
+    """The float scalars both kernels take, in order: lr, beta1, rest1, beta2, rest2, eps, gsign,
+    shrink, l2, big, cap (see :func:`_make_kernel`); ``dtype`` is the work dtype."""
+    beta1 = 0.0 if cfg.beta1 is None else cfg.beta1
+    rest1 = 0.0 if cfg.beta1 is None else 1.0 - cfg.beta1
+    return [cfg.lr, beta1, rest1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, *cfg.folded(), float(torch.finfo(dtype).max),
+            factor_sum_cap(numel, dtype)]
+
+
+def _momentum_cols(state: dict[str, Any], cols: int) -> int:
+    """Columns of M's own view: V's ``cols`` unless momentum_shape="natural" (or no first moment)."""
+    return state[COL_M].numel() if COL_M in state else cols
 
 
 def _takes_many(param: Tensor, state: dict[str, Any]) -> bool:
@@ -518,8 +521,8 @@ def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]])
         moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
         rows_of_addresses.append((param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(),
                                   state[COL_V].data_ptr()))
-        sizes.append((rows, cols, state[COL_M].numel() if has_m else cols))
-        scalars.append(_scalars(cfg, rows, cols))
+        sizes.append((rows, cols, _momentum_cols(state, cols)))
+        scalars.append(_scalars(cfg, rows * cols, torch.float32))
         flags.append((has_m, cfg.zero_nonfinite))
     if rows_of_addresses:
         bad_counts = np.zeros(len(sizes), dtype=np.int64)
