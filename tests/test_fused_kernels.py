@@ -21,6 +21,9 @@ CONFIGS = {
     # Beyond the paper: M in the natural shape (129 rows of 600 against V's 300×258, whose rows end
     # mid-byte; blocks of V rows end mid-row of M), the numba kernel's; Triton hands it to the torch path.
     "natural-shape": dict(momentum_shape="natural", weight_decay=0.1),
+    # The magnitude flag (two passes in the numba kernel); Triton hands it to the torch path.
+    "natural-shape-and-flag": dict(momentum_shape="natural", magnitude_bits=1, weight_decay=0.1),
+    "flag-adam-l2": dict(magnitude_bits=1, weight_decay=0.01, weight_decay_mode="adam", maximize=True),
 }
 SHAPES = [*ZOO_SHAPES, (768,), (64, 3, 7, 7), (257, 33), (129, 600), (96, 40)]
 FROZEN_AFTER = 10  # the last shape gets no gradient from this step on (a frozen param mid-run)

@@ -62,8 +62,8 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     ``auto`` takes the Triton kernel for CUDA parameters (fp32, bf16, fp16 and complex of those)
     and the numba kernel for CPU ones (fp32, fp64, bf16) where installed. The torch path takes the
     rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU, the
-    beyond-the-paper momentum codes the kernels do not implement (:func:`smmf.state.momentum_code`:
-    numba takes the natural shape, neither takes the magnitude flag). DTensor
+    beyond-the-paper momentum codes on CUDA (:func:`smmf.state.momentum_code`: numba takes them all,
+    Triton only the paper's). DTensor
     (FSDP2) parameters take the sharded torch path. A named backend that cannot take ``param``
     raises ``RuntimeError``.
     """
@@ -75,7 +75,7 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     if backend == "torch" or EXP_AVG_SQ in state or (param.is_complex() and not param.is_cuda):
         return torch_step_
     code = momentum_code(state)
-    if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba") and code != "flag":
+    if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba"):
         from .numba_cpu import numba_step_
 
         return numba_step_
@@ -85,12 +85,10 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
         return triton_step_
     if backend == "auto":
         return torch_step_
-    if (backend == "numba" and _numba_covers(param) and code == "flag") or (
-        backend == "triton" and _triton_covers(param) and code != "paper"
-    ):
+    if backend == "triton" and _triton_covers(param) and code != "paper":
         raise RuntimeError(
-            f"backend {backend!r} does not implement this momentum code ({code}: the numba kernel takes "
-            "momentum_shape='natural', neither kernel takes magnitude_bits=1); use backend='auto' or 'torch'"
+            f"backend {backend!r} does not implement this momentum code ({code}: the Triton kernel takes the "
+            "paper's code only; the numba kernel takes them all); use backend='auto' or 'torch'"
         )
     raise RuntimeError(
         f"backend {backend!r} cannot update a {param.dtype} parameter on {param.device}; "

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..functional import StepConfig
 from ..matrix import factor_sum_cap
-from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape
+from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape
 
 __all__ = ["numba_step_"]
 
@@ -199,6 +199,85 @@ def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, rest2, eps, g
     return sum_v, _count_bad(grow, big) if any_bad else 0
 
 
+# The 1-bit magnitude flag (magnitude_bits=1): F = [|M| > r cᵀ] needs the *new* factors of |M|,
+# which need every row's |M|: a read-only pass sums |M|, then a second pass forms M again (same
+# arithmetic, same inputs), writes W, S and F and sums V. See :func:`smmf.functional.store_magnitude_flag_`.
+
+
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _flagged_momentum(g_term, nonneg, above, col, high_coef, low_coef):
+    """This step's M from the stored code, sign · r·c · (high where flagged, else low), times β1, plus
+    ``g_term`` = (1 − β1)·G: ``high_coef``/``low_coef`` = β1·r·high / β1·r·low of the run's M row."""
+    mag = (high_coef if above else low_coef) * col
+    return (mag if nonneg else -mag) + g_term
+
+
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _row_flag_sums(wrow, grow, nonneg, above, col_m, acc_m, high_coef, low_coef,
+                   rest1, gsign, shrink, l2, zero_bad, big, cap):
+    """First pass over a run of one M row: the capped |M| into ``acc_m`` and the returned row sum.
+    ``wrow`` is only read for L2 decay (``l2 != 0``)."""
+    zero = rest1 - rest1
+    sum_m = zero
+    keep_bad = not zero_bad
+    signed_rest1 = rest1 * gsign  # gsign is ±1: (1 − β1)·gsign·G to the bit
+    for j in range(grow.shape[0]):
+        gj = grow[j]
+        gj = gj if (abs(gj) <= big) | keep_bad else zero
+        g_term = rest1 * (gj * gsign + l2 * (wrow[j] * shrink)) if l2 != 0 else signed_rest1 * gj
+        a = _capped(abs(_flagged_momentum(g_term, nonneg[j], above[j], col_m[j], high_coef, low_coef)), cap)
+        sum_m += a
+        acc_m[j] += a
+    return sum_m
+
+
+@numba.njit(inline="always")
+def _finite_or_max(x, big):
+    """NaN → 0, above ``big`` → ``big`` (``nan_to_num(posinf=max)`` of the torch path)."""
+    return big - big if x != x else (big if x > big else x)
+
+
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _row_flag_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, high_coef, low_coef, new_rm, rv, fits,
+                    lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap):
+    """Second pass over a run of one M row: the weights, the new sign and flag bits (0/1 in
+    ``nonneg``/``above``), V's column sums into ``acc_v``; adds the flag's least-squares sums
+    (Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R², R = the new r cᵀ) into ``fits``; returns V's row sum
+    and the NaN/inf elements met."""
+    zero = beta2 - beta2
+    sum_v = zero
+    fit_high = zero
+    energy_high = zero
+    fit_low = zero
+    energy_low = zero
+    any_bad = False
+    keep_bad = not zero_bad
+    for j in range(wrow.shape[0]):
+        wj, gj, vj, finite = _element(wrow[j], grow[j], col_v[j], rv, beta2, rest2, gsign, shrink, l2, keep_bad, big, zero)
+        any_bad |= not finite
+        mj = _flagged_momentum(rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
+        nonneg[j] = mj >= 0
+        a = abs(mj)
+        estimate = new_rm * new_col_m[j]
+        flagged = a > estimate
+        above[j] = flagged
+        fit = _finite_or_max(a * estimate, big)
+        energy = _finite_or_max(estimate * estimate, big)
+        fit_high += fit if flagged else zero
+        energy_high += energy if flagged else zero
+        fit_low += zero if flagged else fit
+        energy_low += zero if flagged else energy
+        vs = _capped(vj, cap)
+        sum_v += vs
+        acc_v[j] += vs
+        wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
+    fits[0] += fit_high
+    fits[1] += energy_high
+    fits[2] += fit_low
+    fits[3] += energy_low
+    return sum_v, _count_bad(grow, big) if any_bad else 0
+
+
 @numba.njit(inline="always")
 def _first_m_row(first_row, m, m_cols):
     """The first row of M's view that row ``first_row`` of V's view (m columns) touches."""
@@ -340,6 +419,127 @@ def _make_kernel(rows_pass, parallel):
     return kernel
 
 
+def _make_flag_rows_pass(load, store):
+    @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
+    def flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
+                       acc_m, acc_v, msums, fits, first_row, end_row, m, m_cols, write, sr, zero_bad, scalars):
+        """Rows ``first_row .. end_row`` of V's n×m view under the magnitude flag (one thread), like
+        :func:`_make_rows_pass`'s. ``write`` False (first pass): only reads, and sums |M| into
+        ``acc_m`` (columns) and ``msums`` (rows of M's view, from :func:`_first_m_row` on). ``write``
+        True (second pass, ``new_row_m``/``new_col_m`` hold the new factors of |M|): the weights, sign
+        and flag bits in place, the rows' new V sums into ``row_v``, V's column sums into ``acc_v`` and
+        the flag's level sums into ``fits``; returns the NaN/inf gradient elements met. ``scalars``:
+        :func:`_scalars`, one tuple (Python passes more than 30 arguments through a tuple, which numba
+        cannot inline)."""
+        lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap = scalars
+        high, low = levels[0], levels[1]
+        tile = min(m, _COLUMN_TILE)
+        acc_m[:] = 0
+        acc_v[:] = 0
+        msums[:] = 0
+        fits[:] = 0
+        m_row0 = _first_m_row(first_row, m, m_cols)
+        sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
+        wbuf = np.empty(tile, dtype=np.uint32)
+        gbuf = np.empty(tile, dtype=np.uint32)
+        sign_lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
+        flag_lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
+        sign_bits = sign_lanes.view(np.uint8)
+        flag_bits = flag_lanes.view(np.uint8)
+        reads_w = write or l2 != 0
+        bad = 0
+        for c0 in range(0, m, tile):
+            c1 = min(m, c0 + tile)
+            width = c1 - c0
+            for i in range(first_row, end_row):
+                start = i * m + c0
+                if write and i + 1 < end_row:
+                    _prefetch_lines(g, start + m, min(width, _PREFETCH))
+                    _prefetch_lines(w, start + m, min(width, _PREFETCH))
+                elif not write and i + 2 < end_row:  # a lighter loop: fetch further ahead
+                    _prefetch_lines(g, start + 2 * m, width)
+                    if reads_w:
+                        _prefetch_lines(w, start + 2 * m, width)
+                gseg = load(g, start, width, gbuf)
+                wseg = load(w, start, width, wbuf) if reads_w else gseg
+                first = start >> 3
+                count = ((start + width - 1) >> 3) - first + 1
+                offset = start & 7
+                _unpack_bytes(signs, first, count, sign_lanes)
+                _unpack_bytes(flags, first, count, flag_lanes)
+                sum_v = beta2 - beta2
+                k = start
+                while k < start + width:  # runs along one row of M's view
+                    m_row = k // m_cols
+                    m_col = k - m_row * m_cols
+                    j0 = k - start
+                    j1 = min(width, (m_row + 1) * m_cols - start)
+                    run = slice(offset + j0, offset + j1)
+                    m_run = slice(m_col, m_col + j1 - j0)
+                    high_coef = beta1 * row_m[m_row] * high
+                    low_coef = beta1 * row_m[m_row] * low
+                    if write:
+                        run_v, run_bad = _row_flag_write(
+                            wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], new_col_m[m_run],
+                            col_v[c0 + j0 : c0 + j1], acc_v[c0 + j0 : c0 + j1], high_coef, low_coef,
+                            new_row_m[m_row], row_v[i], fits,
+                            lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                        sum_v += run_v
+                        bad += run_bad
+                    else:
+                        msums[m_row - m_row0] += _row_flag_sums(
+                            wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], acc_m[m_run],
+                            high_coef, low_coef, rest1, gsign, shrink, l2, zero_bad, big, cap)
+                    k = start + j1
+                if write:
+                    _pack_bytes(signs, first, count, sign_lanes)
+                    _pack_bytes(flags, first, count, flag_lanes)
+                    sums_v[i - first_row] += sum_v
+                    store(w, start, wseg, sr)
+        if write:
+            row_v[first_row:end_row] = sums_v
+        return bad
+
+    return flag_rows_pass
+
+
+def _make_flag_kernel(rows_pass, parallel):
+    @numba.njit(parallel=parallel, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+    def flag_kernel(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
+                    col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr, zero_bad,
+                    lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap):
+        """One SMMF step of one n×m matrix with the magnitude flag, in place: :func:`_make_kernel`'s
+        arguments, and ``flags`` (uint8, laid out as ``signs``), ``levels`` (work dtype, 2: high,
+        low), ``new_row_m``/``new_col_m`` (scratch, the size of ``row_m``/``col_m``) and ``fits``
+        (work dtype, blocks × 4: each block's level sums)."""
+        scalars = (lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap)
+        for phase in range(2):  # one call site: numba inlines a closure once per function
+            write = phase == 1
+            if write:  # the new factors of |M|, from the first pass's sums
+                _gather_m_rows(new_row_m, row_acc_m, n, m, m_cols, rows_per_block)
+                _finish_cols(new_row_m, new_col_m, col_acc_m)
+            for b in numba.prange(col_acc_v.shape[0]):
+                first_row = b * rows_per_block
+                bad = rows_pass(
+                    w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v, col_acc_m[b],
+                    col_acc_v[b], row_acc_m[b], fits[b], first_row, min(n, first_row + rows_per_block), m, m_cols,
+                    write, sr, zero_bad, scalars)
+                if write:
+                    bad_counts[b] = bad
+        _finish_cols(row_v, col_v, col_acc_v)
+        row_m[:] = new_row_m
+        col_m[:] = new_col_m
+        for level in range(2):  # high from the flagged elements' sums, low from the others'
+            fit = levels[0] - levels[0]
+            energy = fit
+            for b in range(fits.shape[0]):
+                fit += fits[b, 2 * level]
+                energy += fits[b, 2 * level + 1]
+            levels[level] = fit / energy if energy > 0 else 0
+
+    return flag_kernel
+
+
 @intrinsic
 def _address(typingctx, address):  # noqa: ARG001 - numba's intrinsic signature
     """An integer address as a ``void*`` (for :func:`numba.carray`)."""
@@ -414,6 +614,12 @@ _ROWS_PASS = {bf16: _make_rows_pass(_load_bf16 if bf16 else _load_float, _store_
               for bf16 in (False, True)}
 _KERNELS = {(bf16, parallel): _make_kernel(_ROWS_PASS[bf16], parallel) for bf16 in (False, True) for parallel in (False, True)}
 _MANY_KERNEL = _make_many_kernel(_ROWS_PASS[False])
+# The magnitude flag's kernels (compiled on first use, like all of these).
+_FLAG_KERNELS = {
+    (bf16, parallel): _make_flag_kernel(_make_flag_rows_pass(load, store), parallel)
+    for bf16, (load, store) in ((False, (_load_float, _store_float)), (True, (_load_bf16, _store_bf16)))
+    for parallel in (False, True)
+}
 
 
 def _block_layout(rows: int, cols: int) -> tuple[int, int]:
@@ -453,29 +659,24 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     row_acc_m = np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     parallel = rows * cols >= _PARALLEL_MIN_NUMEL
-    kernel = _KERNELS[param.dtype == torch.bfloat16, parallel]
+    bf16 = param.dtype == torch.bfloat16
     empty = np.empty(0, dtype=scalar)
-    args = (
-        _as_numpy(weight),
-        _as_numpy(grad),
-        state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
-        state[ROW_M].numpy() if has_m else empty,
-        state[COL_M].numpy() if has_m else empty,
-        state[ROW_V].numpy(),
-        state[COL_V].numpy(),
-        col_acc_m,
-        col_acc_v,
-        row_acc_m,
-        bad_counts,
-        rows,
-        cols,
-        m_cols,
-        rows_per_block,
-        has_m,
-        cfg.stochastic_rounding,
-        cfg.zero_nonfinite,
-        *(scalar(x) for x in _scalars(cfg, rows * cols, dtype)),
-    )
+    w, g = _as_numpy(weight), _as_numpy(grad)
+    sizes = (rows, cols, m_cols, rows_per_block)
+    scalars = tuple(scalar(x) for x in _scalars(cfg, rows * cols, dtype))
+    if has_m and FLAG_M in state:
+        row_m, col_m = state[ROW_M].numpy(), state[COL_M].numpy()
+        kernel = _FLAG_KERNELS[bf16, parallel]
+        args = (w, g, state[SIGN_M].numpy(), state[FLAG_M].numpy(), row_m, col_m, np.empty_like(row_m),
+                np.empty_like(col_m), state[LEVELS_M].numpy(), state[ROW_V].numpy(), state[COL_V].numpy(),
+                col_acc_m, col_acc_v, row_acc_m, np.empty((blocks, 4), dtype=scalar), bad_counts, *sizes,
+                cfg.stochastic_rounding, cfg.zero_nonfinite, *scalars)
+    else:
+        kernel = _KERNELS[bf16, parallel]
+        args = (w, g, state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
+                state[ROW_M].numpy() if has_m else empty, state[COL_M].numpy() if has_m else empty,
+                state[ROW_V].numpy(), state[COL_V].numpy(), col_acc_m, col_acc_v, row_acc_m, bad_counts, *sizes,
+                has_m, cfg.stochastic_rounding, cfg.zero_nonfinite, *scalars)
     if parallel:
         with _PARALLEL_LAUNCH:
             kernel(*args)
@@ -503,7 +704,7 @@ def _momentum_cols(state: dict[str, Any], cols: int) -> int:
 def _takes_many(param: Tensor, state: dict[str, Any]) -> bool:
     """Small contiguous fp32 tensors: their step is mostly per-launch overhead, so they share one."""
     return (param.dtype == torch.float32 and 0 < param.numel() < _PARALLEL_MIN_NUMEL and param.is_contiguous()
-            and state[ROW_V].dtype == torch.float32)
+            and state[ROW_V].dtype == torch.float32 and FLAG_M not in state)
 
 
 def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> int:
