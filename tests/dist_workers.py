@@ -66,13 +66,13 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int 
         opt.step()
 
 
-def optimizer(params) -> SMMF:
-    return SMMF(params, lr=1e-2, weight_decay=0.1, decay_rate=-0.8)
+def optimizer(params, **options) -> SMMF:
+    return SMMF(params, lr=1e-2, weight_decay=0.1, decay_rate=-0.8, **options)
 
 
-def single_process_params() -> list[torch.Tensor]:
+def single_process_params(**options) -> list[torch.Tensor]:
     model = make_net()
-    train(model, optimizer(model.parameters()), range(STEPS))
+    train(model, optimizer(model.parameters(), **options), range(STEPS))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -102,7 +102,7 @@ def _full_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:
+def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -114,26 +114,27 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:
     init(rank, world, port)
     # Uninterrupted run.
     model = _sharded_net(world)
-    opt = optimizer(model.parameters())
+    opt = optimizer(model.parameters(), **options)
     train(model, opt, range(STEPS), rank, world)
     straight = _full_params(model)
     # Interrupted at step 3: save through torch.distributed.checkpoint, load into fresh objects, continue.
     model = _sharded_net(world)
-    opt = optimizer(model.parameters())
+    opt = optimizer(model.parameters(), **options)
     train(model, opt, range(3), rank, world)
     ckpt = Path(out) / "dcp"
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
     model = _sharded_net(world)
-    opt = optimizer(model.parameters())
+    opt = optimizer(model.parameters(), **options)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=ckpt)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     train(model, opt, range(3, STEPS), rank, world)
     resumed = _full_params(model)
-    local_sign_bytes = [opt.state[p]["sign_m"].to_local().numel() for p in model.parameters() if "sign_m" in opt.state[p]]
+    local_bit_bytes = [opt.state[p][key].to_local().numel() for p in model.parameters()
+                       for key in ("sign_m", "flag_m") if key in opt.state[p]]
     if rank == 0:
-        torch.save({"straight": straight, "resumed": resumed, "sign_bytes": local_sign_bytes}, Path(out) / "fsdp2.pt")
+        torch.save({"straight": straight, "resumed": resumed, "bit_bytes": local_bit_bytes}, Path(out) / "fsdp2.pt")
     finish()
 
 

@@ -21,8 +21,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(worker, tmp_path) -> None:
-    mp.spawn(worker, args=(WORLD, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+def _spawn(worker, tmp_path, *extra) -> None:
+    mp.spawn(worker, args=(WORLD, _free_port(), str(tmp_path), *extra), nprocs=WORLD, join=True)
 
 
 def test_ddp_matches_single_process(tmp_path) -> None:
@@ -34,10 +34,17 @@ def test_ddp_matches_single_process(tmp_path) -> None:
         torch.testing.assert_close(p0, ps, rtol=0, atol=1e-12)
 
 
-def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path) -> None:
-    _spawn(dist_workers.fsdp2_worker, tmp_path)
+# Beyond the paper: M in its natural shape (whole rows of a Shard(0) shard) with the magnitude flag,
+# and the flag on the square view (partial rows).
+FSDP2_OPTIONS = {"paper": {}, "natural+flag": dict(momentum_shape="natural", magnitude_bits=1),
+                 "flag": dict(magnitude_bits=1)}
+
+
+@pytest.mark.parametrize("options", FSDP2_OPTIONS.values(), ids=FSDP2_OPTIONS.keys())
+def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options: dict) -> None:
+    _spawn(dist_workers.fsdp2_worker, tmp_path, options)
     result = torch.load(tmp_path / "fsdp2.pt")
-    single = dist_workers.single_process_params()
+    single = dist_workers.single_process_params(**options)
     moved = 0
     for straight, resumed, ps in zip(result["straight"], result["resumed"], single):
         # Factors are summed across ranks: the same math as one device, up to summation order.
@@ -45,7 +52,9 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path) -> None:
         assert torch.equal(straight, resumed)  # DCP round trip continues exactly
         moved += 1
     assert moved == len(single) > 0
-    assert len(result["sign_bytes"]) > 0 and all(b > 0 for b in result["sign_bytes"])
+    bit_arrays = 2 if options.get("magnitude_bits") else 1  # sign bits, and the flag's
+    assert len(result["bit_bytes"]) > 0 and len(result["bit_bytes"]) % bit_arrays == 0
+    assert all(b > 0 for b in result["bit_bytes"])
 
 
 def test_fsdp1_flat_parameters_are_rejected(tmp_path) -> None:

@@ -1,11 +1,12 @@
 """SMMF on DTensor parameters (FSDP2 ``fully_shard``): Alg. 1 on this rank's band of rows.
 
 A parameter sharded on dim 0 owns a contiguous range of the row-major flattening of its n̂×m̂ matrix,
-hence a band of rows (the first and last possibly partial). :func:`sharded_step_` runs the torch
-path on that band — the same lines as :func:`smmf.functional._factored_update`, with padding kept
-at zero — and sums the partial row and column sums over ranks with one all-reduce, so the factors,
-and therefore the update, are the single-device ones. Placement and checkpoint layout:
-:mod:`smmf.sharding`.
+hence a band of rows (the first and last possibly partial) — of V's view and of M's own (whole rows
+of it under ``momentum_shape="natural"``). :func:`sharded_step_` runs the torch path on that band —
+the same lines as :func:`smmf.functional._factored_update`, with padding kept at zero — and sums the
+partial row and column sums over ranks with one all-reduce (and the magnitude flag's level sums with
+a second), so the factors, and therefore the update, are the single-device ones. Placement and
+checkpoint layout: :mod:`smmf.sharding`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .functional import StepConfig, factor_sums, store_factors_, torch_step_
+from .functional import (
+    StepConfig,
+    decompress_momentum,
+    factor_sums,
+    flag_levels,
+    magnitude_flag_fit,
+    store_factors_,
+    torch_step_,
+)
 from .matrix import pack_signs, unpack_signs
 from .sharding import local, shard_info
-from .state import COL_M, COL_V, EXP_AVG_SQ, ROW_M, ROW_V, SIGN_M, matrix_shape
+from .state import COL_M, COL_V, EXP_AVG_SQ, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape
 
 __all__ = ["Band", "sharded_step_"]
 
@@ -47,6 +56,15 @@ class Band:
         row0 = start // cols if cols else 0
         row1 = -(-(start + numel) // cols) if numel else row0
         return cls(rows, cols, row0, row1, start - row0 * cols, numel)
+
+    @property
+    def start(self) -> int:
+        """The first owned element in the row-major flattening."""
+        return self.row0 * self.cols + self.first
+
+    def in_view(self, rows: int, cols: int) -> "Band":
+        """The same elements in another rows × cols view of the tensor."""
+        return Band.of_range(rows, cols, self.start, self.numel)
 
     @property
     def padded(self) -> bool:
@@ -91,29 +109,45 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
 
 
 def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Reducer) -> Tensor:
-    """:func:`smmf.functional._factored_update` on a band: the owned elements' direction, flat."""
+    """:func:`smmf.functional._factored_update` on a band: the owned elements' direction, flat.
+
+    ``band`` is in V's (square) view; M has its own band, the same elements in M's view (its rows are
+    dim 0 under ``momentum_shape="natural"``, so a ``Shard(0)`` shard holds whole rows of it)."""
     g = band.to_matrix(g_flat)
-    rows = slice(band.row0, band.row1)
-    v = torch.outer(state[ROW_V][rows], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
+    v = torch.outer(state[ROW_V][band.row0 : band.row1], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
     band.zero_padding_(v)
-    moments = [(ROW_V, COL_V, v)]
-    m = None
+    moments = [(ROW_V, COL_V, v, band)]
+    m = m_band = magnitude = None
     if cfg.beta1 is not None:
-        magnitude = torch.outer(state[ROW_M][rows], state[COL_M])
-        nonneg = band.to_matrix(unpack_signs(state[SIGN_M], band.numel))
-        m = torch.where(nonneg, magnitude, -magnitude).mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
-        band.zero_padding_(m)
-        packed = pack_signs(band.owned(m) >= 0)
-        state[SIGN_M][: packed.numel()].copy_(packed)
-        moments.append((ROW_M, COL_M, m.abs()))
+        m_band = band.in_view(state[ROW_M].numel(), state[COL_M].numel())
+        m = decompress_momentum(state, state[ROW_M][m_band.row0 : m_band.row1],
+                                lambda bits: m_band.to_matrix(unpack_signs(bits, m_band.numel)))
+        m.mul_(cfg.beta1).add_(m_band.to_matrix(g_flat), alpha=1.0 - cfg.beta1)
+        m_band.zero_padding_(m)
+        _store_bits_(state[SIGN_M], m_band.owned(m) >= 0)
+        magnitude = m.abs()
+        moments.append((ROW_M, COL_M, magnitude, m_band))
     sums: list[Tensor] = []
-    for _, _, matrix in moments:
-        row_sums, col_sums = factor_sums(matrix, numel=band.rows * band.cols)
-        full_rows = matrix.new_zeros(band.rows)
-        full_rows[rows] = row_sums  # other ranks' rows stay 0 until reduced
+    for _, _, matrix, where in moments:
+        row_sums, col_sums = factor_sums(matrix, numel=where.rows * where.cols)
+        full_rows = matrix.new_zeros(where.rows)
+        full_rows[where.row0 : where.row1] = row_sums  # other ranks' rows stay 0 until reduced
         sums += [full_rows, col_sums]
     sums = reduce(sums)
-    for (row_key, col_key, _), row_sums, col_sums in zip(moments, sums[::2], sums[1::2]):
+    for (row_key, col_key, _, _), row_sums, col_sums in zip(moments, sums[::2], sums[1::2]):
         store_factors_(state, row_key, col_key, row_sums, col_sums)
-    denom = v.sqrt_().add_(cfg.eps)
-    return band.owned(g.div(denom) if m is None else m.div_(denom))
+    denom = band.owned(v.sqrt_().add_(cfg.eps))
+    if m is None or m_band is None or magnitude is None:
+        return band.owned(g) / denom
+    if FLAG_M in state:  # the flag needs the new factors: its level sums take a second all-reduce
+        estimate = torch.outer(state[ROW_M][m_band.row0 : m_band.row1], state[COL_M])
+        above, level_sums = magnitude_flag_fit(m_band.owned(magnitude), m_band.owned(estimate))
+        _store_bits_(state[FLAG_M], above)
+        state[LEVELS_M].copy_(flag_levels(reduce([level_sums])[0]))
+    return m_band.owned(m) / denom
+
+
+def _store_bits_(packed: Tensor, bits: Tensor) -> None:
+    """This rank's bits, packed, at the start of its (padded) byte range."""
+    values = pack_signs(bits)
+    packed[: values.numel()].copy_(values)

@@ -3,8 +3,8 @@
 :func:`_factored_update` is Alg. 1 of the paper for one n×m matrix, line by line: decompress the
 momenta from their factors and sign bits, update them with this step's gradient, compress them
 again, and return the step direction built from the *uncompressed* momenta. Beyond the paper
-(opt-in), M may be factorized in the tensor's natural shape (the numba kernel does that too) and
-carry a 1-bit magnitude flag (here only). FSDP2 shards run the
+(opt-in), M may be factorized in the tensor's natural shape and carry a 1-bit magnitude flag.
+FSDP2 shards run the
 same algorithm on their band of rows in :mod:`smmf.distributed`; the fused kernels in
 :mod:`smmf.kernels` are tested against this file.
 """
@@ -131,7 +131,8 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     if cfg.beta1 is not None:
         # M in its own n×m view (the same as V's but under momentum_shape="natural").
         m_shape = (state[ROW_M].numel(), state[COL_M].numel())
-        m = decompress_momentum(state, m_shape).mul_(cfg.beta1).add_(g.reshape(m_shape), alpha=1.0 - cfg.beta1)
+        m = decompress_momentum(state, state[ROW_M], lambda bits: unpack_signs(bits, g.numel()).view(m_shape))
+        m.mul_(cfg.beta1).add_(g.reshape(m_shape), alpha=1.0 - cfg.beta1)
         # Compress M: its signs, 1 bit each, and the rank-1 NNMF of |M| (and the magnitude flag).
         state[SIGN_M].copy_(pack_signs(m >= 0))
         magnitude = m.abs()
@@ -146,32 +147,41 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     return g / denom if m is None else m.div_(denom)
 
 
-def decompress_momentum(state: dict[str, Any], shape: tuple[int, int]) -> Tensor:
-    """``M̂ = S ⊙ r_M c_Mᵀ``: the magnitude from the factors, the sign from the bits; with the
-    magnitude flag F, ``M̂ = S ⊙ r_M c_Mᵀ ⊙ (l + (h − l)·F)``."""
-    magnitude = torch.outer(state[ROW_M], state[COL_M])
+def decompress_momentum(state: dict[str, Any], row_m: Tensor, bits_as_matrix: Callable[[Tensor], Tensor]) -> Tensor:
+    """``M̂ = S ⊙ r_M c_Mᵀ`` for the rows whose factors are ``row_m`` (every row, or a shard's band):
+    the magnitude from the factors, the sign from the bits; with the magnitude flag F,
+    ``M̂ = S ⊙ r_M c_Mᵀ ⊙ (l + (h − l)·F)``. ``bits_as_matrix`` unpacks packed bits to those rows."""
+    magnitude = torch.outer(row_m, state[COL_M])
     if FLAG_M in state:
         high, low = state[LEVELS_M].unbind()
-        flag = unpack_signs(state[FLAG_M], magnitude.numel()).view(shape)
-        magnitude.mul_(torch.where(flag, high, low))
-    nonneg = unpack_signs(state[SIGN_M], magnitude.numel()).view(shape)
-    return torch.where(nonneg, magnitude, -magnitude)
+        magnitude.mul_(torch.where(bits_as_matrix(state[FLAG_M]), high, low))
+    return torch.where(bits_as_matrix(state[SIGN_M]), magnitude, -magnitude)
 
 
 def store_magnitude_flag_(state: dict[str, Any], magnitude: Tensor) -> None:
-    """After the factors of |M| are stored: F = [|M| > R] with R = r cᵀ the new rank-1 estimate, and
-    the levels that fit |M| best by least squares where F is set (h) and clear (l):
-    ``h = Σ_F |M|·R / Σ_F R²`` (0 when the set is empty or R is 0 on it), likewise ``l``."""
-    estimate = torch.outer(state[ROW_M], state[COL_M])
-    above = magnitude > estimate
+    """After the factors of |M| are stored: F = [|M| > r cᵀ] and the levels, from the whole matrix."""
+    above, sums = magnitude_flag_fit(magnitude, torch.outer(state[ROW_M], state[COL_M]))
     state[FLAG_M].copy_(pack_signs(above))
-    fit = (magnitude * estimate).nan_to_num_(posinf=torch.finfo(estimate.dtype).max)
-    energy = (estimate * estimate).nan_to_num_(posinf=torch.finfo(estimate.dtype).max)
-    levels = []
-    for where in (above, ~above):
-        num, den = fit[where].sum(), energy[where].sum()
-        levels.append(torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0))
-    state[LEVELS_M].copy_(torch.stack(levels))
+    state[LEVELS_M].copy_(flag_levels(sums))
+
+
+def magnitude_flag_fit(magnitude: Tensor, estimate: Tensor) -> tuple[Tensor, Tensor]:
+    """The flag F = [|M| > R] of ``magnitude`` against ``estimate`` R = r cᵀ (the new rank-1 estimate),
+    and the sums of the least-squares fit of |M| to R where F is set and where it is clear:
+    ``(Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²)`` (NaN products count 0, inf ones the dtype's max)."""
+    above = magnitude > estimate
+    biggest = torch.finfo(estimate.dtype).max
+    fit = (magnitude * estimate).nan_to_num_(posinf=biggest)
+    energy = (estimate * estimate).nan_to_num_(posinf=biggest)
+    sums = [part[where].sum() for where in (above, ~above) for part in (fit, energy)]
+    return above, torch.stack(sums)
+
+
+def flag_levels(sums: Tensor) -> Tensor:
+    """``(h, l)`` from :func:`magnitude_flag_fit`'s sums: ``h = Σ_F |M|·R / Σ_F R²``, likewise ``l``
+    (0 where the set is empty or R is 0 on it)."""
+    num, den = sums.view(2, 2).unbind(dim=1)
+    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
 
 
 def factor_sums(matrix: Tensor, numel: Optional[int] = None) -> tuple[Tensor, Tensor]:

@@ -68,11 +68,6 @@ def momentum_matrix_shape(param: Tensor, group: Mapping[str, Any]) -> tuple[int,
     return matrix_shape(param)
 
 
-def has_plain_momentum_code(group: Mapping[str, Any]) -> bool:
-    """The paper's code for M (square, sign + rank-1): what the fused kernels implement."""
-    return all(momentum_option(group, key) == default for key, default in MOMENTUM_CODE_DEFAULTS.items())
-
-
 def momentum_code(state: Mapping[str, Any]) -> str:
     """Which code the state's M uses: ``"paper"`` (sign + rank-1 in V's view; also a natural shape
     that is V's square one), ``"natural"`` (sign + rank-1 in another view) or ``"flag"``."""
@@ -95,11 +90,6 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     layout: dict[str, TensorSpec] = {}
     if has_momentum:
         info = shard_info(param)
-        if info is not None and not has_plain_momentum_code(group):
-            raise NotImplementedError(
-                "momentum_shape='natural' and magnitude_bits=1 are not supported on FSDP2 (DTensor) parameters yet; "
-                "use the defaults for them"
-            )
         m_rows, m_cols = momentum_matrix_shape(param, group)
         layout[ROW_M] = TensorSpec((m_rows,), dtype)
         layout[COL_M] = TensorSpec((m_cols,), dtype)
@@ -122,9 +112,9 @@ def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         elif key in (EXP_AVG, EXP_AVG_SQ):  # dense: elementwise, sharded like the param
             state[key] = torch.zeros_like(param, dtype=spec.dtype)
         else:
-            size = info.sign_bytes if key == SIGN_M else spec.shape[0]
-            piece = torch.zeros(size, dtype=spec.dtype, device=local(param).device)
-            state[key] = as_state(piece, info, sharded=key == SIGN_M)
+            bits = key in (SIGN_M, FLAG_M)  # per element: each rank keeps its own
+            piece = torch.zeros(info.sign_bytes if bits else spec.shape[0], dtype=spec.dtype, device=local(param).device)
+            state[key] = as_state(piece, info, sharded=bits)
     return state
 
 
