@@ -107,8 +107,8 @@ def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for
     from smmf.kernels import numba_cpu
 
     launches = []
-    many = numba_cpu._MANY_KERNEL
-    monkeypatch.setattr(numba_cpu, "_MANY_KERNEL", lambda *args: launches.append(args[0].shape[0]) or many(*args))
+    many = numba_cpu._many_kernel
+    monkeypatch.setattr(numba_cpu, "_many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
     shapes = [(64, 64), (7,), (33, 5), (100, 200), (3, 3, 3, 3), (2, 2)]
     for config in (dict(weight_decay=0.1), dict(beta=None, growth_rate=None)):
         gen = torch.Generator().manual_seed(2)
@@ -130,7 +130,7 @@ def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for
                 q.grad = g.clone()
                 single.step()
         monkeypatch.undo()
-        monkeypatch.setattr(numba_cpu, "_MANY_KERNEL", lambda *args: launches.append(args[0].shape[0]) or many(*args))
+        monkeypatch.setattr(numba_cpu, "_many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
         for p, q, single in zip(together, alone, singles):
             assert torch.equal(p, q)
             for key, value in opt.state[p].items():
@@ -158,3 +158,39 @@ def test_rows_wider_than_a_column_tile_match_the_torch_path(dtype: torch.dtype, 
     else:
         torch.testing.assert_close(q, p, rtol=8e-3, atol=1e-5)
         assert (q != p).float().mean().item() <= 0.01
+
+
+_CACHE_PROBE = """
+import json, torch, smmf
+from smmf.kernels import numba_cpu
+p = torch.nn.Parameter(torch.randn(100, 100, dtype=torch.float64))
+p.grad = torch.randn_like(p)
+smmf.SMMF([p], backend="numba").step()
+stats = numba_cpu._kernel_serial.stats
+print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+"""
+
+
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+def test_the_kernels_compile_once_and_fresh_processes_load_them_from_the_cache(tmp_path) -> None:
+    """#13: the first fused step of every process used to compile the kernels (seconds, and ~100 MiB
+    of RSS); now the first process on a machine compiles and caches them, the next ones load them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
+                                      check=True).stdout) for _ in range(2)]
+    assert runs == [{"hits": 0, "misses": 1}, {"hits": 1, "misses": 0}]
+    assert any(tmp_path.rglob("*.nbc"))
+
+
+def test_a_kernel_that_numba_cannot_cache_is_compiled_instead() -> None:
+    pytest.importorskip("numba")
+    from smmf.kernels.numba_cpu import _cached_njit
+
+    namespace: dict = {}
+    exec("def plus_one(x):\n    return x + 1", namespace)  # no source file: numba has nowhere to cache it
+    assert _cached_njit()(namespace["plus_one"])(1) == 2

@@ -13,6 +13,12 @@ start of the next row's segment; each segment's sign
 bits are unpacked to 0/1 bytes and packed back eight at a time with one multiply; the element loop
 is branch-free float32 (so LLVM vectorizes it to the widest SIMD) and only flags a NaN/inf, counted
 afterwards in a rare second loop.
+
+With the magnitude flag (``magnitude_bits=1``) a step takes two passes: the flag compares |M| with the
+*new* factors, which need every row first (:func:`_flag_step`).
+
+The kernels are compiled once per machine and cached (:func:`_cached_njit`): a fresh process loads
+them instead of spending seconds of LLVM and ~100 MiB of RSS on its first step.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from torch import Tensor
 
 from ..functional import StepConfig
@@ -61,35 +67,47 @@ def _prefetch_lines(array, start, length):
         _prefetch(array, k)
 
 
-@numba.njit(inline="always")
-def _load_float(src, start, length, buf):  # noqa: ARG001 - fp32/fp64 rows are used in place
-    return src[start : start + length]
+def _load(src, start, length, buf):
+    """``src[start : start + length]`` as float: in place for fp32/fp64, for bf16 (int16 bit patterns)
+    converted into ``buf`` (uint32, at least ``length``). Typed by :func:`_overload_load`."""
+    raise NotImplementedError("compiled only")
 
 
-@numba.njit(inline="always")
-def _store_float(dst, start, row, sr):  # noqa: ARG001 - the row already lives in dst
-    pass
+def _store(dst, start, row, sr):
+    """Write a :func:`_load`ed row back: nothing for fp32/fp64 (it lives in ``dst``); bf16 rounds to
+    nearest even, or stochastically with ``sr``."""
+    raise NotImplementedError("compiled only")
 
 
-@numba.njit(inline="always")
-def _load_bf16(src, start, length, buf):
-    for j in range(length):
-        buf[j] = (np.uint32(src[start + j]) & np.uint32(0xFFFF)) << np.uint32(16)
-    return buf[:length].view(np.float32)  # a row's last tile is shorter than the buffer
+@overload(_load, inline="always")
+def _overload_load(src, start, length, buf):
+    if src.dtype == types.int16:
+        def load_bf16(src, start, length, buf):
+            for j in range(length):
+                buf[j] = (np.uint32(src[start + j]) & np.uint32(0xFFFF)) << np.uint32(16)
+            return buf[:length].view(np.float32)  # a row's last tile is shorter than the buffer
+
+        return load_bf16
+    return lambda src, start, length, buf: src[start : start + length]
 
 
-@numba.njit(inline="always")
-def _store_bf16(dst, start, row, sr):
-    bits = row.view(np.uint32)
-    for j in range(bits.shape[0]):
-        u = bits[j]
-        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            u = u | np.uint32(0x00400000)  # NaN stays NaN: the quiet bit survives truncation
-        elif sr:
-            u = u + np.uint32(np.random.randint(0, 65536))  # stochastic rounding
-        else:
-            u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))  # nearest even
-        dst[start + j] = np.int16(np.int32(u >> np.uint32(16)) - (65536 if (u >> np.uint32(31)) else 0))
+@overload(_store, inline="always")
+def _overload_store(dst, start, row, sr):
+    if dst.dtype == types.int16:
+        def store_bf16(dst, start, row, sr):
+            bits = row.view(np.uint32)
+            for j in range(bits.shape[0]):
+                u = bits[j]
+                if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                    u = u | np.uint32(0x00400000)  # NaN stays NaN: the quiet bit survives truncation
+                elif sr:
+                    u = u + np.uint32(np.random.randint(0, 65536))  # stochastic rounding
+                else:
+                    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))  # nearest even
+                dst[start + j] = np.int16(np.int32(u >> np.uint32(16)) - (65536 if (u >> np.uint32(31)) else 0))
+
+        return store_bf16
+    return lambda dst, start, row, sr: None
 
 
 # Reassociation lets LLVM vectorize the row/column sums; no-NaN/no-inf flags stay off so that
@@ -303,241 +321,275 @@ def _gather_m_rows(row_m, row_acc_m, n, m, m_cols, rows_per_block):
             row_m[r] += row_acc_m[b, r - lo]
 
 
-def _make_rows_pass(load, store):
-    @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
-    def rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, first_row, end_row, m, m_cols,
-                  has_m, lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, sr, zero_bad, big, cap):
-        """Rows ``first_row .. end_row`` of V's n×m view (one thread): the weights and sign bits in
-        place, the rows' new V sums into ``row_v``, the column sums into ``acc_m``/``acc_v`` and the
-        sums of the rows of M's own view (``m_cols`` columns; ``m`` unless momentum_shape="natural")
-        that these elements touch into ``msums``, from :func:`_first_m_row` on (all zeroed here);
-        returns the NaN/inf gradient elements met. M's row factors are only read: the caller adds
-        up ``msums`` of every block once all have run."""
-        # A segment's sign bits span at most tile // 8 + 2 bytes; it is unpacked with its whole first
-        # and last bytes, so the neighbours' bits go back unchanged (same thread, one after another).
-        tile = min(m, _COLUMN_TILE)
-        acc_v[:] = 0
-        acc_m[:] = 0
-        msums[:] = 0
-        m_row0 = _first_m_row(first_row, m, m_cols)
-        # Row sums build up over the column tiles; the old row factors are read until the end.
-        sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
-        wbuf = np.empty(tile, dtype=np.uint32)
-        gbuf = np.empty(tile, dtype=np.uint32)
-        lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
-        bits = lanes.view(np.uint8)
-        bad = 0
-        for c0 in range(0, m, tile):
-            c1 = min(m, c0 + tile)
-            width = c1 - c0
-            for i in range(first_row, end_row):
-                start = i * m + c0
-                if i + 1 < end_row:  # the next row's segment starts a new stream: start it early
-                    _prefetch_lines(w, start + m, min(width, _PREFETCH))
-                    _prefetch_lines(g, start + m, min(width, _PREFETCH))
-                wseg = load(w, start, width, wbuf)
-                gseg = load(g, start, width, gbuf)
-                if has_m:
-                    first = start >> 3
-                    count = ((start + width - 1) >> 3) - first + 1
-                    offset = start & 7
-                    _unpack_bytes(signs, first, count, lanes)
-                    # The segment in runs along one row of M's view (one run when it is V's).
-                    sum_v = beta2 - beta2  # 0 in the work dtype
-                    seg_bad = 0
-                    k = start
-                    while k < start + width:
-                        m_row = k // m_cols
-                        m_col = k - m_row * m_cols
-                        j0 = k - start
-                        j1 = min(width, (m_row + 1) * m_cols - start)
-                        run_m, run_v, run_bad = _row_with_momentum(
-                            wseg[j0:j1], gseg[j0:j1], bits[offset + j0 : offset + j1],
-                            col_m[m_col : m_col + j1 - j0], col_v[c0 + j0 : c0 + j1],
-                            acc_m[m_col : m_col + j1 - j0], acc_v[c0 + j0 : c0 + j1], row_m[m_row], row_v[i],
-                            lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
-                        msums[m_row - m_row0] += run_m
-                        sum_v += run_v
-                        seg_bad += run_bad
-                        k = start + j1
-                    _pack_bytes(signs, first, count, lanes)
-                else:
-                    sum_v, seg_bad = _row_without_momentum(
-                        wseg, gseg, col_v[c0:c1], acc_v[c0:c1], row_v[i],
-                        lr, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
-                sums_v[i - first_row] += sum_v
-                bad += seg_bad
-                store(w, start, wseg, sr)
-        row_v[first_row:end_row] = sums_v
-        return bad
-
-    return rows_pass
-
-
-def _make_kernel(rows_pass, parallel):
-    @numba.njit(parallel=parallel, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-    def kernel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
-               n, m, m_cols, rows_per_block, has_m, sr, zero_bad,
-               lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap):
-        """One SMMF step of one n×m matrix, in place.
-
-        Arrays (flat, row-major; "work" is float32, or float64 for fp64 params):
-          w, g             the weight and gradient, n·m elements: work dtype, or int16 bit patterns of
-                           bf16 (``load``/``store`` convert); w is read and written, g only read
-          signs            uint8, ceil(n·m/8): the sign bits of M, bit k%8 of byte k//8 set when
-                           element k is ≥ 0 — the layout :func:`smmf.matrix.pack_signs` specifies
-          row_m, col_m     work dtype: the factors of |M| in M's own view (n·m / m_cols rows, m_cols
-                           columns; V's view unless momentum_shape="natural"); unused without a
-                           first moment
-          row_v, col_v     work dtype, n and m: the factors of V
-          col_acc_m/_v     work dtype, blocks × m_cols / m: scratch for each block's column sums
-          row_acc_m        work dtype, blocks × :func:`_m_rows_touched`: each block's M row sums
-          bad_counts       int64, blocks: NaN/inf gradient elements each block met
-        Scalars: m_cols; rows_per_block; has_m (False: no first moment); sr: stochastic rounding
-        (bf16); zero_bad: NaN/inf gradient elements count as 0; then :func:`_scalars`: lr; beta1,
-        beta2 (this step's β1_t, β2_t) and rest1, rest2 (1 − β1_t, 1 − β2_t, rounded once from
-        float64 as on the torch path — and opaque to LLVM, which would otherwise rewrite
-        β·a + (1 − β)·b as b + β·(a − b), NaN when b is inf); eps; gsign, shrink, l2 from
-        :meth:`StepConfig.folded`; big: the work dtype's largest finite value; cap:
-        :func:`smmf.matrix.factor_sum_cap`.
-
-        Invariants: every block starts on a byte of ``signs`` (rows_per_block·m is a multiple of
-        8), so no two threads write one byte; sums run in a fixed order for a given block layout, which
-        depends on the thread count only: runs with the same count are bit-identical.
-        """
-        for b in numba.prange(col_acc_v.shape[0]):
-            first_row = b * rows_per_block
-            bad_counts[b] = rows_pass(
-                w, g, signs, row_m, col_m, row_v, col_v, col_acc_m[b], col_acc_v[b], row_acc_m[b],
-                first_row, min(n, first_row + rows_per_block), m, m_cols, has_m,
-                lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, sr, zero_bad, big, cap)
-        _finish_cols(row_v, col_v, col_acc_v)
-        if has_m:
-            _gather_m_rows(row_m, row_acc_m, n, m, m_cols, rows_per_block)
-            _finish_cols(row_m, col_m, col_acc_m)
-
-    return kernel
-
-
-def _make_flag_rows_pass(load, store):
-    @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
-    def flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-                       acc_m, acc_v, msums, fits, first_row, end_row, m, m_cols, write, sr, zero_bad, scalars):
-        """Rows ``first_row .. end_row`` of V's n×m view under the magnitude flag (one thread), like
-        :func:`_make_rows_pass`'s. ``write`` False (first pass): only reads, and sums |M| into
-        ``acc_m`` (columns) and ``msums`` (rows of M's view, from :func:`_first_m_row` on). ``write``
-        True (second pass, ``new_row_m``/``new_col_m`` hold the new factors of |M|): the weights, sign
-        and flag bits in place, the rows' new V sums into ``row_v``, V's column sums into ``acc_v`` and
-        the flag's level sums into ``fits``; returns the NaN/inf gradient elements met. ``scalars``:
-        :func:`_scalars`, one tuple (Python passes more than 30 arguments through a tuple, which numba
-        cannot inline)."""
-        lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap = scalars
-        high, low = levels[0], levels[1]
-        tile = min(m, _COLUMN_TILE)
-        acc_m[:] = 0
-        acc_v[:] = 0
-        msums[:] = 0
-        fits[:] = 0
-        m_row0 = _first_m_row(first_row, m, m_cols)
-        sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
-        wbuf = np.empty(tile, dtype=np.uint32)
-        gbuf = np.empty(tile, dtype=np.uint32)
-        sign_lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
-        flag_lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
-        sign_bits = sign_lanes.view(np.uint8)
-        flag_bits = flag_lanes.view(np.uint8)
-        reads_w = write or l2 != 0
-        bad = 0
-        for c0 in range(0, m, tile):
-            c1 = min(m, c0 + tile)
-            width = c1 - c0
-            for i in range(first_row, end_row):
-                start = i * m + c0
-                if write and i + 1 < end_row:
-                    _prefetch_lines(g, start + m, min(width, _PREFETCH))
-                    _prefetch_lines(w, start + m, min(width, _PREFETCH))
-                elif not write and i + 2 < end_row:  # a lighter loop: fetch further ahead
-                    _prefetch_lines(g, start + 2 * m, width)
-                    if reads_w:
-                        _prefetch_lines(w, start + 2 * m, width)
-                gseg = load(g, start, width, gbuf)
-                wseg = load(w, start, width, wbuf) if reads_w else gseg
+@numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
+def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, first_row, end_row, m, m_cols,
+               has_m, sr, zero_bad, scalars):
+    """Rows ``first_row .. end_row`` of V's n×m view (one thread): the weights and sign bits in
+    place, the rows' new V sums into ``row_v``, the column sums into ``acc_m``/``acc_v`` and the
+    sums of the rows of M's own view (``m_cols`` columns; ``m`` unless momentum_shape="natural")
+    that these elements touch into ``msums``, from :func:`_first_m_row` on (all zeroed here);
+    returns the NaN/inf gradient elements met. M's row factors are only read: the caller adds
+    up ``msums`` of every block once all have run. ``scalars``: :func:`_scalars`."""
+    lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap = scalars
+    # A segment's sign bits span at most tile // 8 + 2 bytes; it is unpacked with its whole first
+    # and last bytes, so the neighbours' bits go back unchanged (same thread, one after another).
+    tile = min(m, _COLUMN_TILE)
+    acc_v[:] = 0
+    acc_m[:] = 0
+    msums[:] = 0
+    m_row0 = _first_m_row(first_row, m, m_cols)
+    # Row sums build up over the column tiles; the old row factors are read until the end.
+    sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
+    wbuf = np.empty(tile, dtype=np.uint32)
+    gbuf = np.empty(tile, dtype=np.uint32)
+    lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
+    bits = lanes.view(np.uint8)
+    bad = 0
+    for c0 in range(0, m, tile):
+        c1 = min(m, c0 + tile)
+        width = c1 - c0
+        for i in range(first_row, end_row):
+            start = i * m + c0
+            if i + 1 < end_row:  # the next row's segment starts a new stream: start it early
+                _prefetch_lines(w, start + m, min(width, _PREFETCH))
+                _prefetch_lines(g, start + m, min(width, _PREFETCH))
+            wseg = _load(w, start, width, wbuf)
+            gseg = _load(g, start, width, gbuf)
+            if has_m:
                 first = start >> 3
                 count = ((start + width - 1) >> 3) - first + 1
                 offset = start & 7
-                _unpack_bytes(signs, first, count, sign_lanes)
-                _unpack_bytes(flags, first, count, flag_lanes)
-                sum_v = beta2 - beta2
+                _unpack_bytes(signs, first, count, lanes)
+                # The segment in runs along one row of M's view (one run when it is V's).
+                sum_v = beta2 - beta2  # 0 in the work dtype
+                seg_bad = 0
                 k = start
-                while k < start + width:  # runs along one row of M's view
+                while k < start + width:
                     m_row = k // m_cols
                     m_col = k - m_row * m_cols
                     j0 = k - start
                     j1 = min(width, (m_row + 1) * m_cols - start)
-                    run = slice(offset + j0, offset + j1)
-                    m_run = slice(m_col, m_col + j1 - j0)
-                    high_coef = beta1 * row_m[m_row] * high
-                    low_coef = beta1 * row_m[m_row] * low
-                    if write:
-                        run_v, run_bad = _row_flag_write(
-                            wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], new_col_m[m_run],
-                            col_v[c0 + j0 : c0 + j1], acc_v[c0 + j0 : c0 + j1], high_coef, low_coef,
-                            new_row_m[m_row], row_v[i], fits,
-                            lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
-                        sum_v += run_v
-                        bad += run_bad
-                    else:
-                        msums[m_row - m_row0] += _row_flag_sums(
-                            wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], acc_m[m_run],
-                            high_coef, low_coef, rest1, gsign, shrink, l2, zero_bad, big, cap)
+                    run_m, run_v, run_bad = _row_with_momentum(
+                        wseg[j0:j1], gseg[j0:j1], bits[offset + j0 : offset + j1],
+                        col_m[m_col : m_col + j1 - j0], col_v[c0 + j0 : c0 + j1],
+                        acc_m[m_col : m_col + j1 - j0], acc_v[c0 + j0 : c0 + j1], row_m[m_row], row_v[i],
+                        lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                    msums[m_row - m_row0] += run_m
+                    sum_v += run_v
+                    seg_bad += run_bad
                     k = start + j1
+                _pack_bytes(signs, first, count, lanes)
+            else:
+                sum_v, seg_bad = _row_without_momentum(
+                    wseg, gseg, col_v[c0:c1], acc_v[c0:c1], row_v[i],
+                    lr, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+            sums_v[i - first_row] += sum_v
+            bad += seg_bad
+            _store(w, start, wseg, sr)
+    row_v[first_row:end_row] = sums_v
+    return bad
+
+
+@numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
+def _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
+          n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars):
+    """One SMMF step of one n×m matrix, in place.
+
+    Arrays (flat, row-major; "work" is float32, or float64 for fp64 params):
+      w, g             the weight and gradient, n·m elements: work dtype, or int16 bit patterns of
+                       bf16 (:func:`_load`/:func:`_store` convert); w is read and written, g only read
+      signs            uint8, ceil(n·m/8): the sign bits of M, bit k%8 of byte k//8 set when
+                       element k is ≥ 0 — the layout :func:`smmf.matrix.pack_signs` specifies
+      row_m, col_m     work dtype: the factors of |M| in M's own view (n·m / m_cols rows, m_cols
+                       columns; V's view unless momentum_shape="natural"); unused without a
+                       first moment
+      row_v, col_v     work dtype, n and m: the factors of V
+      col_acc_m/_v     work dtype, blocks × m_cols / m: scratch for each block's column sums
+      row_acc_m        work dtype, blocks × :func:`_m_rows_touched`: each block's M row sums
+      bad_counts       int64, blocks: NaN/inf gradient elements each block met
+    Scalars: m_cols; rows_per_block; has_m (False: no first moment); sr: stochastic rounding
+    (bf16); zero_bad: NaN/inf gradient elements count as 0; ``scalars``, :func:`_scalars`: lr; beta1,
+    beta2 (this step's β1_t, β2_t) and rest1, rest2 (1 − β1_t, 1 − β2_t, rounded once from
+    float64 as on the torch path — and opaque to LLVM, which would otherwise rewrite
+    β·a + (1 − β)·b as b + β·(a − b), NaN when b is inf); eps; gsign, shrink, l2 from
+    :meth:`StepConfig.folded`; big: the work dtype's largest finite value; cap:
+    :func:`smmf.matrix.factor_sum_cap`.
+
+    Invariants: every block starts on a byte of ``signs`` (rows_per_block·m is a multiple of
+    8), so no two threads write one byte; sums run in a fixed order for a given block layout, which
+    depends on the thread count only: runs with the same count are bit-identical.
+
+    Inlined into :func:`_kernel_parallel` (blocks on threads) and :func:`_kernel_serial` (one
+    thread, for small tensors: waking the pool costs more than their step).
+    """
+    for b in numba.prange(col_acc_v.shape[0]):
+        first_row = b * rows_per_block
+        bad_counts[b] = _rows_pass(
+            w, g, signs, row_m, col_m, row_v, col_v, col_acc_m[b], col_acc_v[b], row_acc_m[b],
+            first_row, min(n, first_row + rows_per_block), m, m_cols, has_m, sr, zero_bad, scalars)
+    _finish_cols(row_v, col_v, col_acc_v)
+    if has_m:
+        _gather_m_rows(row_m, row_acc_m, n, m, m_cols, rows_per_block)
+        _finish_cols(row_m, col_m, col_acc_m)
+
+
+def _cached_njit(**options: Any) -> Any:
+    """``numba.njit`` with ``cache=True``: compiled once per machine and source version, then loaded
+    in every process (in ``__pycache__`` beside this file, else numba's user-wide cache dir, or
+    ``NUMBA_CACHE_DIR``). Where numba finds no writable place it compiles in every process instead."""
+
+    def jit(fn: Any) -> Any:
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        except RuntimeError:  # "cannot cache function ...: no locator available"
+            return numba.njit(**options)(fn)
+
+    return jit
+
+
+_KERNEL_OPTIONS = dict(nogil=True, error_model="numpy", fastmath=_FASTMATH)
+
+
+@_cached_njit(parallel=True, **_KERNEL_OPTIONS)
+def _kernel_parallel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
+                     n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars):
+    _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
+          n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars)
+
+
+@_cached_njit(**_KERNEL_OPTIONS)
+def _kernel_serial(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
+                   n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars):
+    _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
+          n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars)
+
+
+@numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
+def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
+                    acc_m, acc_v, msums, fits, first_row, end_row, m, m_cols, write, sr, zero_bad, scalars):
+    """Rows ``first_row .. end_row`` of V's n×m view under the magnitude flag (one thread), like
+    :func:`_rows_pass`. ``write`` False (first pass): only reads, and sums |M| into
+    ``acc_m`` (columns) and ``msums`` (rows of M's view, from :func:`_first_m_row` on). ``write``
+    True (second pass, ``new_row_m``/``new_col_m`` hold the new factors of |M|): the weights, sign
+    and flag bits in place, the rows' new V sums into ``row_v``, V's column sums into ``acc_v`` and
+    the flag's level sums into ``fits``; returns the NaN/inf gradient elements met. ``scalars``:
+    :func:`_scalars`."""
+    lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap = scalars
+    high, low = levels[0], levels[1]
+    tile = min(m, _COLUMN_TILE)
+    acc_m[:] = 0
+    acc_v[:] = 0
+    msums[:] = 0
+    fits[:] = 0
+    m_row0 = _first_m_row(first_row, m, m_cols)
+    sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
+    wbuf = np.empty(tile, dtype=np.uint32)
+    gbuf = np.empty(tile, dtype=np.uint32)
+    sign_lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
+    flag_lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
+    sign_bits = sign_lanes.view(np.uint8)
+    flag_bits = flag_lanes.view(np.uint8)
+    reads_w = write or l2 != 0
+    bad = 0
+    for c0 in range(0, m, tile):
+        c1 = min(m, c0 + tile)
+        width = c1 - c0
+        for i in range(first_row, end_row):
+            start = i * m + c0
+            if write and i + 1 < end_row:
+                _prefetch_lines(g, start + m, min(width, _PREFETCH))
+                _prefetch_lines(w, start + m, min(width, _PREFETCH))
+            elif not write and i + 2 < end_row:  # a lighter loop: fetch further ahead
+                _prefetch_lines(g, start + 2 * m, width)
+                if reads_w:
+                    _prefetch_lines(w, start + 2 * m, width)
+            gseg = _load(g, start, width, gbuf)
+            wseg = _load(w, start, width, wbuf) if reads_w else gseg
+            first = start >> 3
+            count = ((start + width - 1) >> 3) - first + 1
+            offset = start & 7
+            _unpack_bytes(signs, first, count, sign_lanes)
+            _unpack_bytes(flags, first, count, flag_lanes)
+            sum_v = beta2 - beta2
+            k = start
+            while k < start + width:  # runs along one row of M's view
+                m_row = k // m_cols
+                m_col = k - m_row * m_cols
+                j0 = k - start
+                j1 = min(width, (m_row + 1) * m_cols - start)
+                run = slice(offset + j0, offset + j1)
+                m_run = slice(m_col, m_col + j1 - j0)
+                high_coef = beta1 * row_m[m_row] * high
+                low_coef = beta1 * row_m[m_row] * low
                 if write:
-                    _pack_bytes(signs, first, count, sign_lanes)
-                    _pack_bytes(flags, first, count, flag_lanes)
-                    sums_v[i - first_row] += sum_v
-                    store(w, start, wseg, sr)
-        if write:
-            row_v[first_row:end_row] = sums_v
-        return bad
+                    run_v, run_bad = _row_flag_write(
+                        wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], new_col_m[m_run],
+                        col_v[c0 + j0 : c0 + j1], acc_v[c0 + j0 : c0 + j1], high_coef, low_coef,
+                        new_row_m[m_row], row_v[i], fits,
+                        lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                    sum_v += run_v
+                    bad += run_bad
+                else:
+                    msums[m_row - m_row0] += _row_flag_sums(
+                        wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], acc_m[m_run],
+                        high_coef, low_coef, rest1, gsign, shrink, l2, zero_bad, big, cap)
+                k = start + j1
+            if write:
+                _pack_bytes(signs, first, count, sign_lanes)
+                _pack_bytes(flags, first, count, flag_lanes)
+                sums_v[i - first_row] += sum_v
+                _store(w, start, wseg, sr)
+    if write:
+        row_v[first_row:end_row] = sums_v
+    return bad
 
-    return flag_rows_pass
+
+@numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
+def _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
+               col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr, zero_bad, scalars):
+    """One SMMF step of one n×m matrix with the magnitude flag, in place: :func:`_step`'s
+    arguments, and ``flags`` (uint8, laid out as ``signs``), ``levels`` (work dtype, 2: high,
+    low), ``new_row_m``/``new_col_m`` (scratch, the size of ``row_m``/``col_m``) and ``fits``
+    (work dtype, blocks × 4: each block's level sums)."""
+    for phase in range(2):  # one call site: numba inlines a closure once per function
+        write = phase == 1
+        if write:  # the new factors of |M|, from the first pass's sums
+            _gather_m_rows(new_row_m, row_acc_m, n, m, m_cols, rows_per_block)
+            _finish_cols(new_row_m, new_col_m, col_acc_m)
+        for b in numba.prange(col_acc_v.shape[0]):
+            first_row = b * rows_per_block
+            bad = _flag_rows_pass(
+                w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v, col_acc_m[b],
+                col_acc_v[b], row_acc_m[b], fits[b], first_row, min(n, first_row + rows_per_block), m, m_cols,
+                write, sr, zero_bad, scalars)
+            if write:
+                bad_counts[b] = bad
+    _finish_cols(row_v, col_v, col_acc_v)
+    row_m[:] = new_row_m
+    col_m[:] = new_col_m
+    for level in range(2):  # high from the flagged elements' sums, low from the others'
+        fit = levels[0] - levels[0]
+        energy = fit
+        for b in range(fits.shape[0]):
+            fit += fits[b, 2 * level]
+            energy += fits[b, 2 * level + 1]
+        levels[level] = fit / energy if energy > 0 else 0
 
 
-def _make_flag_kernel(rows_pass, parallel):
-    @numba.njit(parallel=parallel, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-    def flag_kernel(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-                    col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr, zero_bad,
-                    lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap):
-        """One SMMF step of one n×m matrix with the magnitude flag, in place: :func:`_make_kernel`'s
-        arguments, and ``flags`` (uint8, laid out as ``signs``), ``levels`` (work dtype, 2: high,
-        low), ``new_row_m``/``new_col_m`` (scratch, the size of ``row_m``/``col_m``) and ``fits``
-        (work dtype, blocks × 4: each block's level sums)."""
-        scalars = (lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap)
-        for phase in range(2):  # one call site: numba inlines a closure once per function
-            write = phase == 1
-            if write:  # the new factors of |M|, from the first pass's sums
-                _gather_m_rows(new_row_m, row_acc_m, n, m, m_cols, rows_per_block)
-                _finish_cols(new_row_m, new_col_m, col_acc_m)
-            for b in numba.prange(col_acc_v.shape[0]):
-                first_row = b * rows_per_block
-                bad = rows_pass(
-                    w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v, col_acc_m[b],
-                    col_acc_v[b], row_acc_m[b], fits[b], first_row, min(n, first_row + rows_per_block), m, m_cols,
-                    write, sr, zero_bad, scalars)
-                if write:
-                    bad_counts[b] = bad
-        _finish_cols(row_v, col_v, col_acc_v)
-        row_m[:] = new_row_m
-        col_m[:] = new_col_m
-        for level in range(2):  # high from the flagged elements' sums, low from the others'
-            fit = levels[0] - levels[0]
-            energy = fit
-            for b in range(fits.shape[0]):
-                fit += fits[b, 2 * level]
-                energy += fits[b, 2 * level + 1]
-            levels[level] = fit / energy if energy > 0 else 0
+@_cached_njit(parallel=True, **_KERNEL_OPTIONS)
+def _flag_kernel_parallel(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
+                          col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr,
+                          zero_bad, scalars):
+    _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
+               col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr, zero_bad, scalars)
 
-    return flag_kernel
+
+@_cached_njit(**_KERNEL_OPTIONS)
+def _flag_kernel_serial(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
+                        col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr,
+                        zero_bad, scalars):
+    _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
+               col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr, zero_bad, scalars)
 
 
 @intrinsic
@@ -555,38 +607,34 @@ def _float_array(address, length):
     return numba.carray(_address(address), length, np.float32)
 
 
-def _make_many_kernel(rows_pass):
-    @numba.njit(parallel=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-    def many_kernel(addresses, sizes, scalars, flags, bad_counts):
-        """The steps of many small fp32 tensors in one launch, one tensor per thread at a time.
+@_cached_njit(parallel=True, **_KERNEL_OPTIONS)
+def _many_kernel(addresses, sizes, scalars, flags, bad_counts):
+    """The steps of many small fp32 tensors in one launch, one tensor per thread at a time.
 
-        Per tensor t: ``addresses[t]`` = data addresses of (w, g, signs, row_m, col_m, row_v, col_v),
-        ``sizes[t]`` = (n, m, m_cols), ``scalars[t]`` = :func:`_scalars`, ``flags[t]`` = (has_m,
-        zero_bad); the arrays are what :func:`_make_kernel`'s
-        kernel takes, one block per tensor. The caller keeps every tensor alive.
-        """
-        for t in numba.prange(addresses.shape[0]):
-            n, m, m_cols = sizes[t, 0], sizes[t, 1], sizes[t, 2]
-            has_m = flags[t, 0] != 0
-            m_rows = n * m // m_cols if has_m else 0
-            a = addresses[t]
-            sc = scalars[t]
-            signs = numba.carray(_address(a[2]), (n * m + 7) // 8 if has_m else 0, np.uint8)
-            row_m, col_m = _float_array(a[3], m_rows), _float_array(a[4], m_cols if has_m else 0)
-            row_v, col_v = _float_array(a[5], n), _float_array(a[6], m)
-            col_acc_m = np.empty((1, col_m.shape[0]), dtype=np.float32)
-            col_acc_v = np.empty((1, m), dtype=np.float32)
-            row_acc_m = np.empty((1, _m_rows_touched(n, m, m_cols)), dtype=np.float32)
-            bad_counts[t] = rows_pass(
-                _float_array(a[0], n * m), _float_array(a[1], n * m), signs, row_m, col_m, row_v, col_v,
-                col_acc_m[0], col_acc_v[0], row_acc_m[0], 0, n, m, m_cols, has_m,
-                sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], False, flags[t, 1] != 0, sc[9], sc[10])
-            _finish_cols(row_v, col_v, col_acc_v)
-            if has_m:
-                _gather_m_rows(row_m, row_acc_m, n, m, m_cols, n)
-                _finish_cols(row_m, col_m, col_acc_m)
-
-    return many_kernel
+    Per tensor t: ``addresses[t]`` = data addresses of (w, g, signs, row_m, col_m, row_v, col_v),
+    ``sizes[t]`` = (n, m, m_cols), ``scalars[t]`` = :func:`_scalars`, ``flags[t]`` = (has_m,
+    zero_bad); the arrays are what :func:`_step` takes, one block per tensor. The caller keeps every tensor alive.
+    """
+    for t in numba.prange(addresses.shape[0]):
+        n, m, m_cols = sizes[t, 0], sizes[t, 1], sizes[t, 2]
+        has_m = flags[t, 0] != 0
+        m_rows = n * m // m_cols if has_m else 0
+        a = addresses[t]
+        sc = scalars[t]
+        signs = numba.carray(_address(a[2]), (n * m + 7) // 8 if has_m else 0, np.uint8)
+        row_m, col_m = _float_array(a[3], m_rows), _float_array(a[4], m_cols if has_m else 0)
+        row_v, col_v = _float_array(a[5], n), _float_array(a[6], m)
+        col_acc_m = np.empty((1, col_m.shape[0]), dtype=np.float32)
+        col_acc_v = np.empty((1, m), dtype=np.float32)
+        row_acc_m = np.empty((1, _m_rows_touched(n, m, m_cols)), dtype=np.float32)
+        bad_counts[t] = _rows_pass(
+            _float_array(a[0], n * m), _float_array(a[1], n * m), signs, row_m, col_m, row_v, col_v,
+            col_acc_m[0], col_acc_v[0], row_acc_m[0], 0, n, m, m_cols, has_m, False, flags[t, 1] != 0,
+            (sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], sc[9], sc[10]))
+        _finish_cols(row_v, col_v, col_acc_v)
+        if has_m:
+            _gather_m_rows(row_m, row_acc_m, n, m, m_cols, n)
+            _finish_cols(row_m, col_m, col_acc_m)
 
 
 @numba.njit(inline="always")
@@ -610,16 +658,8 @@ _PARALLEL_LAUNCH = threading.Lock()
 
 # Small tensors run on one thread: waking the thread pool costs more than their whole step.
 _PARALLEL_MIN_NUMEL = 1 << 16
-_ROWS_PASS = {bf16: _make_rows_pass(_load_bf16 if bf16 else _load_float, _store_bf16 if bf16 else _store_float)
-              for bf16 in (False, True)}
-_KERNELS = {(bf16, parallel): _make_kernel(_ROWS_PASS[bf16], parallel) for bf16 in (False, True) for parallel in (False, True)}
-_MANY_KERNEL = _make_many_kernel(_ROWS_PASS[False])
-# The magnitude flag's kernels (compiled on first use, like all of these).
-_FLAG_KERNELS = {
-    (bf16, parallel): _make_flag_kernel(_make_flag_rows_pass(load, store), parallel)
-    for bf16, (load, store) in ((False, (_load_float, _store_float)), (True, (_load_bf16, _store_bf16)))
-    for parallel in (False, True)
-}
+_KERNELS = {True: _kernel_parallel, False: _kernel_serial}
+_FLAG_KERNELS = {True: _flag_kernel_parallel, False: _flag_kernel_serial}
 
 
 def _block_layout(rows: int, cols: int) -> tuple[int, int]:
@@ -659,24 +699,23 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     row_acc_m = np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     parallel = rows * cols >= _PARALLEL_MIN_NUMEL
-    bf16 = param.dtype == torch.bfloat16
     empty = np.empty(0, dtype=scalar)
     w, g = _as_numpy(weight), _as_numpy(grad)
     sizes = (rows, cols, m_cols, rows_per_block)
     scalars = tuple(scalar(x) for x in _scalars(cfg, rows * cols, dtype))
     if has_m and FLAG_M in state:
         row_m, col_m = state[ROW_M].numpy(), state[COL_M].numpy()
-        kernel = _FLAG_KERNELS[bf16, parallel]
+        kernel = _FLAG_KERNELS[parallel]
         args = (w, g, state[SIGN_M].numpy(), state[FLAG_M].numpy(), row_m, col_m, np.empty_like(row_m),
                 np.empty_like(col_m), state[LEVELS_M].numpy(), state[ROW_V].numpy(), state[COL_V].numpy(),
                 col_acc_m, col_acc_v, row_acc_m, np.empty((blocks, 4), dtype=scalar), bad_counts, *sizes,
-                cfg.stochastic_rounding, cfg.zero_nonfinite, *scalars)
+                cfg.stochastic_rounding, cfg.zero_nonfinite, scalars)
     else:
-        kernel = _KERNELS[bf16, parallel]
+        kernel = _KERNELS[parallel]
         args = (w, g, state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
                 state[ROW_M].numpy() if has_m else empty, state[COL_M].numpy() if has_m else empty,
                 state[ROW_V].numpy(), state[COL_V].numpy(), col_acc_m, col_acc_v, row_acc_m, bad_counts, *sizes,
-                has_m, cfg.stochastic_rounding, cfg.zero_nonfinite, *scalars)
+                has_m, cfg.stochastic_rounding, cfg.zero_nonfinite, scalars)
     if parallel:
         with _PARALLEL_LAUNCH:
             kernel(*args)
@@ -689,7 +728,7 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
 
 def _scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> list[float]:
     """The float scalars both kernels take, in order: lr, beta1, rest1, beta2, rest2, eps, gsign,
-    shrink, l2, big, cap (see :func:`_make_kernel`); ``dtype`` is the work dtype."""
+    shrink, l2, big, cap (see :func:`_step`); ``dtype`` is the work dtype."""
     beta1 = 0.0 if cfg.beta1 is None else cfg.beta1
     rest1 = 0.0 if cfg.beta1 is None else 1.0 - cfg.beta1
     return [cfg.lr, beta1, rest1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, *cfg.folded(), float(torch.finfo(dtype).max),
@@ -728,7 +767,7 @@ def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]])
     if rows_of_addresses:
         bad_counts = np.zeros(len(sizes), dtype=np.int64)
         with _PARALLEL_LAUNCH:
-            _MANY_KERNEL(np.array(rows_of_addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
+            _many_kernel(np.array(rows_of_addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
                          np.array(scalars, dtype=np.float32), np.array(flags, dtype=np.int64), bad_counts)
         bad += int(sum(count for count, (_, zero_bad) in zip(bad_counts.tolist(), flags) if zero_bad))
     return bad
