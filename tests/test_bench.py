@@ -25,7 +25,7 @@ def test_gpt2_xl_sets_have_their_stated_sizes() -> None:
 
 
 def test_every_benchmarked_optimizer_steps_and_the_table_reports_ratios() -> None:
-    for name, factory in optim_map("cpu").items():
+    for name, factory in optim_map("cpu", momentum_codes=True).items():
         params = make_params([(64, 32), (32,)])
         before = [p.detach().clone() for p in params]
         interleaved_medians({name: factory}, params, repeats=2, device="cpu", limit=False)
@@ -38,6 +38,9 @@ def test_every_benchmarked_optimizer_steps_and_the_table_reports_ratios() -> Non
     text = format_results(results)
     assert "/ Adam(fused)" in text and "SMMF(torch)" in text and "/ axpy" in text
     assert list(optim_map("cpu"))[:2] == ["Adam(fused)", "Adam(foreach)"]  # the strongest baseline first
+    if "numba" in available_backends():
+        assert {"SMMF natural(numba)", "SMMF natural+flag(numba)"} <= set(optim_map("cpu", momentum_codes=True))
+        assert not any("natural" in name for name in optim_map("cpu"))  # opt-in
 
 
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),
@@ -46,6 +49,7 @@ def test_fused_step_allocates_nothing_of_the_parameters_size() -> None:
     """One step of an 8192×4096 fp32 param, in a fresh process: Adam's temporaries are the size of the
     param, the fused SMMF step's must stay below 5% of it."""
     assert extra_peak_ratio("SMMF(numba)") < 0.05
+    assert extra_peak_ratio("SMMF natural+flag(numba)") < 0.05  # the flag's two passes: no temporaries either
     assert extra_peak_ratio("Adam(foreach)") > 0.5  # the measurement does see a param-sized temporary
 
 

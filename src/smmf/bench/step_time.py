@@ -50,11 +50,17 @@ SHAPE_SETS = {
 LIMIT = "axpy (limit)"
 # Bytes per fp32 parameter that one step must move: read the gradient, read and write the weight
 # and every state tensor of the parameter's size (SMMF: the 1-bit signs, 2 × 1/8 B).
-BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25, "axpy": 12.0}
+# The magnitude flag's two passes read the gradient twice and its bits once more (16.5 B).
+BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25, "SMMF natural": 12.25,
+                   "SMMF natural+flag": 16.5, "axpy": 12.0}
+# Beyond the paper, opt-in (``--momentum-codes``): SMMF's other codes for M on the fused kernel.
+MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"),
+                  "SMMF natural+flag": dict(momentum_shape="natural", magnitude_bits=1)}
 
 
-def optim_map(device: str) -> dict[str, OptimFactory]:
-    """The candidates on ``device``, strongest baseline first."""
+def optim_map(device: str, momentum_codes: bool = False) -> dict[str, OptimFactory]:
+    """The candidates on ``device``, strongest baseline first; with ``momentum_codes``, SMMF's opt-in
+    codes for M on the fused CPU kernel too."""
     adam, fused = ("AdamW", "triton") if device == "cuda" else ("Adam", "numba")
     adam_cls = getattr(torch.optim, adam)
     table: dict[str, OptimFactory] = {
@@ -65,6 +71,9 @@ def optim_map(device: str) -> dict[str, OptimFactory]:
     }
     if fused in available_backends():
         table[f"SMMF({fused})"] = partial(SMMF, backend=fused)
+        if momentum_codes and fused == "numba":  # the Triton kernel takes the paper's code only
+            for name, options in MOMENTUM_CODES.items():
+                table[f"{name}({fused})"] = partial(SMMF, backend=fused, **options)
     return table
 
 
@@ -156,7 +165,7 @@ def set_threads(threads: int) -> None:
 def _peak_child(name: str) -> None:
     """In a fresh process: extra RSS high-water mark of one step over the resident size before it."""
     params = make_params([PEAK_SHAPE])
-    opt = optim_map("cpu")[name](params)
+    opt = optim_map("cpu", momentum_codes=True)[name](params)
     opt.step()  # state and JIT first: the figure is the step's temporaries
     gc.collect()
     if not reset_peak_rss():
@@ -173,8 +182,9 @@ def extra_peak_ratio(name: str) -> float:
     return result["extra_bytes"] / result["param_bytes"]
 
 
-def run(sets: list[str], repeats: int, device: str, peak: bool, show_progress: bool = True) -> dict[str, Any]:
-    optims = optim_map(device)
+def run(sets: list[str], repeats: int, device: str, peak: bool, show_progress: bool = True,
+        momentum_codes: bool = False) -> dict[str, Any]:
+    optims = optim_map(device, momentum_codes)
     cpu_peak = peak and device == "cpu" and os.path.exists("/proc/self/clear_refs")
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -246,6 +256,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, help="CPU threads for torch and numba (default: torch's)")
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--momentum-codes", action="store_true",
+                        help="also SMMF's opt-in codes for M on the numba kernel (natural shape, + magnitude flag)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv"])
     parser.add_argument("--training", action="store_true",
@@ -290,7 +302,7 @@ def main(args: argparse.Namespace | None = None) -> int:
     cuda_or_fail(PROG, args.device)
     if args.threads is not None:
         set_threads(args.threads)
-    results = run(sets, args.repeats, args.device, not args.no_peak)
+    results = run(sets, args.repeats, args.device, not args.no_peak, momentum_codes=args.momentum_codes)
     print(json.dumps(results, indent=2) if args.json else format_results(results, args.format))
     return 0
 
