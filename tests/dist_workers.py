@@ -111,6 +111,8 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
         set_optimizer_state_dict,
     )
 
+    from smmf.kernels import step_kernel
+
     init(rank, world, port)
     # Uninterrupted run.
     model = _sharded_net(world)
@@ -133,8 +135,10 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
     resumed = _full_params(model)
     local_bit_bytes = [opt.state[p][key].to_local().numel() for p in model.parameters()
                        for key in ("sign_m", "flag_m") if key in opt.state[p]]
+    paths = sorted({step_kernel("auto", p, opt.state[p]).__name__ for p in model.parameters()})
     if rank == 0:
-        torch.save({"straight": straight, "resumed": resumed, "bit_bytes": local_bit_bytes}, Path(out) / "fsdp2.pt")
+        torch.save({"straight": straight, "resumed": resumed, "bit_bytes": local_bit_bytes, "paths": paths},
+                   Path(out) / "fsdp2.pt")
     finish()
 
 

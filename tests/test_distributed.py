@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dist_workers
+from smmf.kernels import available_backends
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 WORLD = 2
@@ -55,6 +56,9 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
     bit_arrays = 2 if options.get("magnitude_bits") else 1  # sign bits, and the flag's
     assert len(result["bit_bytes"]) > 0 and len(result["bit_bytes"]) % bit_arrays == 0
     assert all(b > 0 for b in result["bit_bytes"])
+    # Shards take the fused kernel where numba is installed (a single fused pass, #13), but the flag's.
+    fused = "numba" in available_backends() and not options.get("magnitude_bits")
+    assert result["paths"] == (["fused_sharded_step_"] if fused else ["sharded_step_"])
 
 
 def test_fsdp1_flat_parameters_are_rejected(tmp_path) -> None:

@@ -5,8 +5,9 @@ hence a band of rows (the first and last possibly partial) — of V's view and o
 of it under ``momentum_shape="natural"``). :func:`sharded_step_` runs the torch path on that band —
 the same lines as :func:`smmf.functional._factored_update`, with padding kept at zero — and sums the
 partial row and column sums over ranks with one all-reduce (and the magnitude flag's level sums with
-a second), so the factors, and therefore the update, are the single-device ones. Placement and
-checkpoint layout: :mod:`smmf.sharding`.
+a second), so the factors, and therefore the update, are the single-device ones. On CPU the numba
+kernel makes the same pass over the shard in place (:func:`fused_sharded_step_`) and only the sums
+go through torch. Placement and checkpoint layout: :mod:`smmf.sharding`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .matrix import pack_signs, unpack_signs
 from .sharding import local, shard_info
 from .state import COL_M, COL_V, EXP_AVG_SQ, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape
 
-__all__ = ["Band", "sharded_step_"]
+__all__ = ["Band", "fused_sharded_step_", "sharded_step_"]
 
 # Sums partial row/column sums across the ranks that share a matrix.
 Reducer = Callable[[list[Tensor]], list[Tensor]]
@@ -89,12 +90,27 @@ class Band:
 
 
 def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
-    """The step of a DTensor parameter: same contract as :func:`smmf.functional.torch_step_`."""
+    """The step of a DTensor parameter on the torch path: same contract as
+    :func:`smmf.functional.torch_step_`."""
+    return _sharded_step(param, grad, state, cfg, fused=False)
+
+
+def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
+    """The step of a CPU DTensor parameter on the numba kernel: one fused pass over the shard, then
+    the all-reduce of its row and column sums (the magnitude flag takes :func:`sharded_step_`)."""
+    return _sharded_step(param, grad, state, cfg, fused=True)
+
+
+def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, fused: bool) -> int:
     info = shard_info(param)
     assert info is not None, "sharded_step_ takes DTensor parameters"
     local_state = {key: local(value) for key, value in state.items()}
     weight, local_grad = local(param), local(grad)
     if EXP_AVG_SQ in state or not info.sharded:  # elementwise, or every rank holds it all
+        if fused and EXP_AVG_SQ not in state:
+            from .kernels.numba_cpu import numba_step_
+
+            return numba_step_(weight, local_grad, local_state, cfg)
         return torch_step_(weight, local_grad, local_state, cfg)
     rows, cols = matrix_shape(param)
     group = info.mesh.get_group()
@@ -104,8 +120,27 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return list(flat.split([s.numel() for s in sums]))
 
+    if fused:
+        return _fused_shard_step_(weight, local_grad, local_state, cfg, info.start, all_reduce)
     band = Band.of_range(rows, cols, info.start, info.numel)
     return torch_step_(weight, local_grad, local_state, cfg, matrix_update=partial(band_update, band=band, reduce=all_reduce))
+
+
+def _fused_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
+                       reduce: Reducer) -> int:
+    """The numba kernel's pass over the shard leaves its raw factor sums in the factor vectors: add
+    them up across ranks, then normalize as on one device."""
+    from .kernels.numba_cpu import numba_shard_step_
+
+    work = weight if weight.is_contiguous() else weight.contiguous()
+    nonfinite = numba_shard_step_(work, grad, state, cfg, start)
+    if work is not weight:
+        weight.copy_(work)
+    factors = [(ROW_V, COL_V)] + ([(ROW_M, COL_M)] if cfg.beta1 is not None else [])
+    sums = reduce([state[key] for pair in factors for key in pair])
+    for (row_key, col_key), row_sums, col_sums in zip(factors, sums[::2], sums[1::2]):
+        store_factors_(state, row_key, col_key, row_sums, col_sums)
+    return nonfinite
 
 
 def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Reducer) -> Tensor:

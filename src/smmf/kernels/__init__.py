@@ -63,18 +63,22 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     and the numba kernel for CPU ones (fp32, fp64, bf16) where installed. The torch path takes the
     rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU, the
     beyond-the-paper momentum codes on CUDA (:func:`smmf.state.momentum_code`: numba takes them all,
-    Triton only the paper's). DTensor
-    (FSDP2) parameters take the sharded torch path. A named backend that cannot take ``param``
-    raises ``RuntimeError``.
+    Triton only the paper's). DTensor (FSDP2) parameters on CPU take the numba kernel over their
+    shard (but with the magnitude flag), the rest the sharded torch path. A named backend that cannot
+    take ``param`` raises ``RuntimeError``.
     """
+    code = momentum_code(state)
     if is_dtensor(param):
-        from ..distributed import sharded_step_
+        from ..distributed import fused_sharded_step_, sharded_step_
 
         shard_info(param)  # unsupported placements fail here, before any update
-        return sharded_step_
+        fused = backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba") and code != "flag"
+        if backend not in ("auto", "torch") and not fused:
+            raise RuntimeError(f"backend {backend!r} cannot update this DTensor parameter ({param.dtype} on "
+                               f"{param.device}, momentum code {code}); use backend='auto' or 'torch'")
+        return fused_sharded_step_ if fused else sharded_step_
     if backend == "torch" or EXP_AVG_SQ in state or (param.is_complex() and not param.is_cuda):
         return torch_step_
-    code = momentum_code(state)
     if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba"):
         from .numba_cpu import numba_step_
 

@@ -39,7 +39,7 @@ from ..functional import StepConfig
 from ..matrix import factor_sum_cap
 from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape
 
-__all__ = ["numba_step_"]
+__all__ = ["numba_shard_step_", "numba_step_"]
 
 
 @intrinsic
@@ -309,12 +309,13 @@ def _m_rows_touched(rows, m, m_cols):
 
 
 @numba.njit(inline="always")
-def _gather_m_rows(row_m, row_acc_m, n, m, m_cols, rows_per_block):
-    """M's row factor sums: every block's partial sums of the rows it touched, added up."""
+def _gather_m_rows(row_m, row_acc_m, row0, row_end, m, m_cols, rows_per_block):
+    """M's row factor sums: every block's partial sums of the rows it touched, added up (blocks of
+    ``rows_per_block`` rows of V's view from ``row0`` to ``row_end``; other rows get 0)."""
     row_m[:] = 0
     for b in range(row_acc_m.shape[0]):
-        first_row = b * rows_per_block
-        end_row = min(n, first_row + rows_per_block)
+        first_row = row0 + b * rows_per_block
+        end_row = min(row_end, first_row + rows_per_block)
         lo = _first_m_row(first_row, m, m_cols)
         hi = (end_row * m - 1) // m_cols + 1
         for r in range(lo, hi):
@@ -323,13 +324,17 @@ def _gather_m_rows(row_m, row_acc_m, n, m, m_cols, rows_per_block):
 
 @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
 def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, first_row, end_row, m, m_cols,
-               has_m, sr, zero_bad, scalars):
+               lo, hi, has_m, sr, zero_bad, scalars):
     """Rows ``first_row .. end_row`` of V's n×m view (one thread): the weights and sign bits in
     place, the rows' new V sums into ``row_v``, the column sums into ``acc_m``/``acc_v`` and the
     sums of the rows of M's own view (``m_cols`` columns; ``m`` unless momentum_shape="natural")
     that these elements touch into ``msums``, from :func:`_first_m_row` on (all zeroed here);
     returns the NaN/inf gradient elements met. M's row factors are only read: the caller adds
-    up ``msums`` of every block once all have run. ``scalars``: :func:`_scalars`."""
+    up ``msums`` of every block once all have run. ``scalars``: :func:`_scalars`.
+
+    Only the elements ``lo .. hi`` of the row-major flattening are there (an FSDP2 shard's, whose
+    first and last rows may be partial; the whole matrix otherwise): ``w``, ``g`` and the sign bits
+    start at element ``lo``."""
     lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap = scalars
     # A segment's sign bits span at most tile // 8 + 2 bytes; it is unpacked with its whole first
     # and last bytes, so the neighbours' bits go back unchanged (same thread, one after another).
@@ -346,19 +351,22 @@ def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, fir
     bits = lanes.view(np.uint8)
     bad = 0
     for c0 in range(0, m, tile):
-        c1 = min(m, c0 + tile)
-        width = c1 - c0
         for i in range(first_row, end_row):
-            start = i * m + c0
+            start = max(i * m + c0, lo)  # the segment: elements start .. start + width, columns col0 ..
+            width = min(i * m + min(m, c0 + tile), hi) - start
+            if width <= 0:
+                continue
+            col0 = start - i * m
+            here = start - lo  # where the segment lies in w, g and the sign bits
             if i + 1 < end_row:  # the next row's segment starts a new stream: start it early
-                _prefetch_lines(w, start + m, min(width, _PREFETCH))
-                _prefetch_lines(g, start + m, min(width, _PREFETCH))
-            wseg = _load(w, start, width, wbuf)
-            gseg = _load(g, start, width, gbuf)
+                _prefetch_lines(w, here + m, min(width, _PREFETCH))
+                _prefetch_lines(g, here + m, min(width, _PREFETCH))
+            wseg = _load(w, here, width, wbuf)
+            gseg = _load(g, here, width, gbuf)
             if has_m:
-                first = start >> 3
-                count = ((start + width - 1) >> 3) - first + 1
-                offset = start & 7
+                first = here >> 3
+                count = ((here + width - 1) >> 3) - first + 1
+                offset = here & 7
                 _unpack_bytes(signs, first, count, lanes)
                 # The segment in runs along one row of M's view (one run when it is V's).
                 sum_v = beta2 - beta2  # 0 in the work dtype
@@ -371,8 +379,8 @@ def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, fir
                     j1 = min(width, (m_row + 1) * m_cols - start)
                     run_m, run_v, run_bad = _row_with_momentum(
                         wseg[j0:j1], gseg[j0:j1], bits[offset + j0 : offset + j1],
-                        col_m[m_col : m_col + j1 - j0], col_v[c0 + j0 : c0 + j1],
-                        acc_m[m_col : m_col + j1 - j0], acc_v[c0 + j0 : c0 + j1], row_m[m_row], row_v[i],
+                        col_m[m_col : m_col + j1 - j0], col_v[col0 + j0 : col0 + j1],
+                        acc_m[m_col : m_col + j1 - j0], acc_v[col0 + j0 : col0 + j1], row_m[m_row], row_v[i],
                         lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
                     msums[m_row - m_row0] += run_m
                     sum_v += run_v
@@ -381,25 +389,26 @@ def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, fir
                 _pack_bytes(signs, first, count, lanes)
             else:
                 sum_v, seg_bad = _row_without_momentum(
-                    wseg, gseg, col_v[c0:c1], acc_v[c0:c1], row_v[i],
+                    wseg, gseg, col_v[col0 : col0 + width], acc_v[col0 : col0 + width], row_v[i],
                     lr, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
             sums_v[i - first_row] += sum_v
             bad += seg_bad
-            _store(w, start, wseg, sr)
+            _store(w, here, wseg, sr)
     row_v[first_row:end_row] = sums_v
     return bad
 
 
 @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
 def _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
-          n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars):
-    """One SMMF step of one n×m matrix, in place.
+          n, m, m_cols, row0, rows_per_block, lo, hi, has_m, sr, zero_bad, whole, scalars):
+    """One SMMF step of one n×m matrix, in place; or of the elements ``lo .. hi`` of its row-major
+    flattening that an FSDP2 shard holds (``whole`` False).
 
     Arrays (flat, row-major; "work" is float32, or float64 for fp64 params):
-      w, g             the weight and gradient, n·m elements: work dtype, or int16 bit patterns of
+      w, g             the weight and gradient, elements lo .. hi (0 .. n·m): work dtype, or int16 bit patterns of
                        bf16 (:func:`_load`/:func:`_store` convert); w is read and written, g only read
-      signs            uint8, ceil(n·m/8): the sign bits of M, bit k%8 of byte k//8 set when
-                       element k is ≥ 0 — the layout :func:`smmf.matrix.pack_signs` specifies
+      signs            uint8, ceil((hi − lo)/8): the sign bits of M, bit k%8 of byte k//8 set when
+                       element lo + k is ≥ 0 — the layout :func:`smmf.matrix.pack_signs` specifies
       row_m, col_m     work dtype: the factors of |M| in M's own view (n·m / m_cols rows, m_cols
                        columns; V's view unless momentum_shape="natural"); unused without a
                        first moment
@@ -407,30 +416,37 @@ def _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc
       col_acc_m/_v     work dtype, blocks × m_cols / m: scratch for each block's column sums
       row_acc_m        work dtype, blocks × :func:`_m_rows_touched`: each block's M row sums
       bad_counts       int64, blocks: NaN/inf gradient elements each block met
-    Scalars: m_cols; rows_per_block; has_m (False: no first moment); sr: stochastic rounding
-    (bf16); zero_bad: NaN/inf gradient elements count as 0; ``scalars``, :func:`_scalars`: lr; beta1,
+    Scalars: m_cols; blocks of rows_per_block rows from row0 (lo // m); lo, hi; has_m (False: no
+    first moment); sr: stochastic rounding
+    (bf16); zero_bad: NaN/inf gradient elements count as 0; whole: the factors are normalized here
+    (else the four factor vectors are left holding this piece's raw row and column sums, 0 for the
+    rows it lacks, for the caller to add up across shards); ``scalars``, :func:`_scalars`: lr; beta1,
     beta2 (this step's β1_t, β2_t) and rest1, rest2 (1 − β1_t, 1 − β2_t, rounded once from
     float64 as on the torch path — and opaque to LLVM, which would otherwise rewrite
     β·a + (1 − β)·b as b + β·(a − b), NaN when b is inf); eps; gsign, shrink, l2 from
     :meth:`StepConfig.folded`; big: the work dtype's largest finite value; cap:
     :func:`smmf.matrix.factor_sum_cap`.
 
-    Invariants: every block starts on a byte of ``signs`` (rows_per_block·m is a multiple of
-    8), so no two threads write one byte; sums run in a fixed order for a given block layout, which
+    Invariants: every block starts on a byte of ``signs`` (rows_per_block·m and, with more than one
+    block, row0·m − lo are multiples of 8), so no two threads write one byte; sums run in a fixed order for a given block layout, which
     depends on the thread count only: runs with the same count are bit-identical.
 
     Inlined into :func:`_kernel_parallel` (blocks on threads) and :func:`_kernel_serial` (one
     thread, for small tensors: waking the pool costs more than their step).
     """
+    row_end = (hi + m - 1) // m
     for b in numba.prange(col_acc_v.shape[0]):
-        first_row = b * rows_per_block
+        first_row = row0 + b * rows_per_block
         bad_counts[b] = _rows_pass(
             w, g, signs, row_m, col_m, row_v, col_v, col_acc_m[b], col_acc_v[b], row_acc_m[b],
-            first_row, min(n, first_row + rows_per_block), m, m_cols, has_m, sr, zero_bad, scalars)
-    _finish_cols(row_v, col_v, col_acc_v)
+            first_row, min(row_end, first_row + rows_per_block), m, m_cols, lo, hi, has_m, sr, zero_bad, scalars)
+    if not whole:  # rows of other shards: 0 in the sums to add up
+        row_v[:row0] = 0
+        row_v[row_end:] = 0
+    _finish_cols(row_v, col_v, col_acc_v, whole)
     if has_m:
-        _gather_m_rows(row_m, row_acc_m, n, m, m_cols, rows_per_block)
-        _finish_cols(row_m, col_m, col_acc_m)
+        _gather_m_rows(row_m, row_acc_m, row0, row_end, m, m_cols, rows_per_block)
+        _finish_cols(row_m, col_m, col_acc_m, whole)
 
 
 def _cached_njit(**options: Any) -> Any:
@@ -452,16 +468,16 @@ _KERNEL_OPTIONS = dict(nogil=True, error_model="numpy", fastmath=_FASTMATH)
 
 @_cached_njit(parallel=True, **_KERNEL_OPTIONS)
 def _kernel_parallel(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
-                     n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars):
+                     n, m, m_cols, row0, rows_per_block, lo, hi, has_m, sr, zero_bad, whole, scalars):
     _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
-          n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars)
+          n, m, m_cols, row0, rows_per_block, lo, hi, has_m, sr, zero_bad, whole, scalars)
 
 
 @_cached_njit(**_KERNEL_OPTIONS)
 def _kernel_serial(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
-                   n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars):
+                   n, m, m_cols, row0, rows_per_block, lo, hi, has_m, sr, zero_bad, whole, scalars):
     _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, bad_counts,
-          n, m, m_cols, rows_per_block, has_m, sr, zero_bad, scalars)
+          n, m, m_cols, row0, rows_per_block, lo, hi, has_m, sr, zero_bad, whole, scalars)
 
 
 @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
@@ -554,8 +570,8 @@ def _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, r
     for phase in range(2):  # one call site: numba inlines a closure once per function
         write = phase == 1
         if write:  # the new factors of |M|, from the first pass's sums
-            _gather_m_rows(new_row_m, row_acc_m, n, m, m_cols, rows_per_block)
-            _finish_cols(new_row_m, new_col_m, col_acc_m)
+            _gather_m_rows(new_row_m, row_acc_m, 0, n, m, m_cols, rows_per_block)
+            _finish_cols(new_row_m, new_col_m, col_acc_m, True)
         for b in numba.prange(col_acc_v.shape[0]):
             first_row = b * rows_per_block
             bad = _flag_rows_pass(
@@ -564,7 +580,7 @@ def _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, r
                 write, sr, zero_bad, scalars)
             if write:
                 bad_counts[b] = bad
-    _finish_cols(row_v, col_v, col_acc_v)
+    _finish_cols(row_v, col_v, col_acc_v, True)
     row_m[:] = new_row_m
     col_m[:] = new_col_m
     for level in range(2):  # high from the flagged elements' sums, low from the others'
@@ -629,21 +645,21 @@ def _many_kernel(addresses, sizes, scalars, flags, bad_counts):
         row_acc_m = np.empty((1, _m_rows_touched(n, m, m_cols)), dtype=np.float32)
         bad_counts[t] = _rows_pass(
             _float_array(a[0], n * m), _float_array(a[1], n * m), signs, row_m, col_m, row_v, col_v,
-            col_acc_m[0], col_acc_v[0], row_acc_m[0], 0, n, m, m_cols, has_m, False, flags[t, 1] != 0,
+            col_acc_m[0], col_acc_v[0], row_acc_m[0], 0, n, m, m_cols, 0, n * m, has_m, False, flags[t, 1] != 0,
             (sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], sc[9], sc[10]))
-        _finish_cols(row_v, col_v, col_acc_v)
+        _finish_cols(row_v, col_v, col_acc_v, True)
         if has_m:
-            _gather_m_rows(row_m, row_acc_m, n, m, m_cols, n)
-            _finish_cols(row_m, col_m, col_acc_m)
+            _gather_m_rows(row_m, row_acc_m, 0, n, m, m_cols, n)
+            _finish_cols(row_m, col_m, col_acc_m, True)
 
 
 @numba.njit(inline="always")
-def _finish_cols(rows, cols, col_acc):
-    """Reduce per-block column sums and normalize by the total (zero total → zero factors)."""
+def _finish_cols(rows, cols, col_acc, normalize):
+    """Reduce per-block column sums and normalize them by the total (zero total → zero factors)."""
     total = 0.0
     for i in range(rows.shape[0]):
         total += rows[i]
-    scale = 1.0 / total if total > 0 else 0.0
+    scale = (1.0 / total if total > 0 else 0.0) if normalize else 1.0
     for j in range(cols.shape[0]):
         s = 0.0
         for b in range(col_acc.shape[0]):
@@ -686,10 +702,35 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
         return 0
     # The kernel walks the logical row-major order: strided tensors go through one copy.
     weight = param.detach() if param.is_contiguous() else param.detach().contiguous()
-    if grad.dtype != param.dtype:
-        grad = grad.to(param.dtype)
+    bad = _launch(weight, grad, state, cfg, rows, cols, 0, rows * cols)
+    if weight.data_ptr() != param.data_ptr():
+        param.detach().copy_(weight)
+    return bad
+
+
+def numba_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int) -> int:
+    """The fused pass over an FSDP2 shard: ``weight`` (contiguous) and ``grad`` hold the elements
+    ``start ..`` of the parameter's row-major flattening, ``state`` is the rank-local state (whole
+    factor vectors, this shard's sign bits). Updates the weight and sign bits; leaves in the four
+    factor vectors this shard's raw row and column sums (0 for rows it lacks), for the caller to add
+    up across shards and normalize (:func:`smmf.functional.store_factors_`). Returns the NaN/inf
+    gradient elements met. The paper's code and the natural shape only (not the magnitude flag)."""
+    rows, cols = state[ROW_V].numel(), state[COL_V].numel()
+    return _launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel())
+
+
+def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, rows: int, cols: int,
+            lo: int, hi: int) -> int:
+    """Run the kernel over the elements ``lo .. hi`` of the rows × cols matrix that ``weight``
+    (contiguous) holds; the factors are normalized when that is the whole matrix."""
+    if grad.dtype != weight.dtype:
+        grad = grad.to(weight.dtype)
     grad = grad.contiguous()
-    rows_per_block, blocks = _block_layout(rows, cols)
+    whole = lo == 0 and hi == rows * cols
+    row0, row_end = lo // cols, -(-hi // cols)
+    rows_per_block, blocks = _block_layout(row_end - row0, cols)
+    if (row0 * cols - lo) % 8:  # a shard starting mid-byte of a row: one block, so no two threads share a byte
+        rows_per_block, blocks = row_end - row0, 1
     has_m = cfg.beta1 is not None
     dtype = state[ROW_V].dtype
     scalar = np.float64 if dtype == torch.float64 else np.float32
@@ -698,31 +739,30 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
     col_acc_v = np.empty((blocks, cols), dtype=scalar)
     row_acc_m = np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar)
     bad_counts = np.zeros(blocks, dtype=np.int64)
-    parallel = rows * cols >= _PARALLEL_MIN_NUMEL
+    parallel = hi - lo >= _PARALLEL_MIN_NUMEL
     empty = np.empty(0, dtype=scalar)
     w, g = _as_numpy(weight), _as_numpy(grad)
-    sizes = (rows, cols, m_cols, rows_per_block)
     scalars = tuple(scalar(x) for x in _scalars(cfg, rows * cols, dtype))
     if has_m and FLAG_M in state:
+        assert whole, "the magnitude flag's shards take the torch path"
         row_m, col_m = state[ROW_M].numpy(), state[COL_M].numpy()
         kernel = _FLAG_KERNELS[parallel]
         args = (w, g, state[SIGN_M].numpy(), state[FLAG_M].numpy(), row_m, col_m, np.empty_like(row_m),
                 np.empty_like(col_m), state[LEVELS_M].numpy(), state[ROW_V].numpy(), state[COL_V].numpy(),
-                col_acc_m, col_acc_v, row_acc_m, np.empty((blocks, 4), dtype=scalar), bad_counts, *sizes,
-                cfg.stochastic_rounding, cfg.zero_nonfinite, scalars)
+                col_acc_m, col_acc_v, row_acc_m, np.empty((blocks, 4), dtype=scalar), bad_counts, rows, cols,
+                m_cols, rows_per_block, cfg.stochastic_rounding, cfg.zero_nonfinite, scalars)
     else:
         kernel = _KERNELS[parallel]
         args = (w, g, state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
                 state[ROW_M].numpy() if has_m else empty, state[COL_M].numpy() if has_m else empty,
-                state[ROW_V].numpy(), state[COL_V].numpy(), col_acc_m, col_acc_v, row_acc_m, bad_counts, *sizes,
-                has_m, cfg.stochastic_rounding, cfg.zero_nonfinite, scalars)
+                state[ROW_V].numpy(), state[COL_V].numpy(), col_acc_m, col_acc_v, row_acc_m, bad_counts, rows, cols,
+                m_cols, row0, rows_per_block, lo, hi, has_m, cfg.stochastic_rounding, cfg.zero_nonfinite, whole,
+                scalars)
     if parallel:
         with _PARALLEL_LAUNCH:
             kernel(*args)
     else:
         kernel(*args)
-    if weight.data_ptr() != param.data_ptr():
-        param.detach().copy_(weight)
     return int(bad_counts.sum()) if cfg.zero_nonfinite else 0
 
 
