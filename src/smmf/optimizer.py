@@ -217,13 +217,13 @@ class SMMF(Optimizer):
             says whether |M| is above r cᵀ, and two per-tensor levels scale r cᵀ where it is / is not,
             so that small momentum coordinates are no longer given their row's average (default: 0).
             Both options cut an early-training stall on language models; see the README's "Beyond
-            the paper". The numba kernel takes the natural shape; the flag, and the natural shape on
-            CUDA, run on the torch path.
+            the paper". The numba kernel takes both (the flag in two passes over the tensor); on
+            CUDA they run on the torch path.
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
-            params, each when installed; the torch path for what they do not cover: dense 1-D
-            state, fp64 on CUDA, fp16 and complex on CPU, DTensor shards, the magnitude flag, the
-            natural shape on CUDA), or one of ``"torch"``, ``"numba"``, ``"triton"``, which raises for a
-            param it cannot take (default: ``"auto"``).
+            params — FSDP2 shards included, but with the magnitude flag — each when installed; the
+            torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
+            CPU, CUDA shards, the opt-in momentum codes on CUDA), or one of ``"torch"``, ``"numba"``,
+            ``"triton"``, which raises for a param it cannot take (default: ``"auto"``).
 
     .. note::
         The sign matrix is stored 8 signs per byte (uint8), as the paper counts it; the

@@ -623,13 +623,16 @@ def _float_array(address, length):
     return numba.carray(_address(address), length, np.float32)
 
 
-@_cached_njit(parallel=True, **_KERNEL_OPTIONS)
+# Not cached: numba's cached copy of this launch was seen to compile the inner call differently from
+# _kernel_serial's own (a row sum's last bits), while compiled here it runs _kernel_serial's very code.
+@numba.njit(parallel=True, **_KERNEL_OPTIONS)
 def _many_kernel(addresses, sizes, scalars, flags, bad_counts):
     """The steps of many small fp32 tensors in one launch, one tensor per thread at a time.
 
     Per tensor t: ``addresses[t]`` = data addresses of (w, g, signs, row_m, col_m, row_v, col_v),
     ``sizes[t]`` = (n, m, m_cols), ``scalars[t]`` = :func:`_scalars`, ``flags[t]`` = (has_m,
-    zero_bad); the arrays are what :func:`_step` takes, one block per tensor. The caller keeps every tensor alive.
+    zero_bad). Each tensor is one call of :func:`_kernel_serial` — the very code of its own launch,
+    so a shared launch changes no bit. The caller keeps every tensor alive.
     """
     for t in numba.prange(addresses.shape[0]):
         n, m, m_cols = sizes[t, 0], sizes[t, 1], sizes[t, 2]
@@ -639,18 +642,13 @@ def _many_kernel(addresses, sizes, scalars, flags, bad_counts):
         sc = scalars[t]
         signs = numba.carray(_address(a[2]), (n * m + 7) // 8 if has_m else 0, np.uint8)
         row_m, col_m = _float_array(a[3], m_rows), _float_array(a[4], m_cols if has_m else 0)
-        row_v, col_v = _float_array(a[5], n), _float_array(a[6], m)
-        col_acc_m = np.empty((1, col_m.shape[0]), dtype=np.float32)
-        col_acc_v = np.empty((1, m), dtype=np.float32)
-        row_acc_m = np.empty((1, _m_rows_touched(n, m, m_cols)), dtype=np.float32)
-        bad_counts[t] = _rows_pass(
-            _float_array(a[0], n * m), _float_array(a[1], n * m), signs, row_m, col_m, row_v, col_v,
-            col_acc_m[0], col_acc_v[0], row_acc_m[0], 0, n, m, m_cols, 0, n * m, has_m, False, flags[t, 1] != 0,
-            (sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], sc[9], sc[10]))
-        _finish_cols(row_v, col_v, col_acc_v, True)
-        if has_m:
-            _gather_m_rows(row_m, row_acc_m, 0, n, m, m_cols, n)
-            _finish_cols(row_m, col_m, col_acc_m, True)
+        bad = np.zeros(1, dtype=np.int64)
+        _kernel_serial(
+            _float_array(a[0], n * m), _float_array(a[1], n * m), signs, row_m, col_m, _float_array(a[5], n),
+            _float_array(a[6], m), np.empty((1, col_m.shape[0]), dtype=np.float32), np.empty((1, m), dtype=np.float32),
+            np.empty((1, _m_rows_touched(n, m, m_cols)), dtype=np.float32), bad, n, m, m_cols, 0, n, 0, n * m,
+            has_m, False, flags[t, 1] != 0, True, (sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], sc[9], sc[10]))
+        bad_counts[t] = bad[0]
 
 
 @numba.njit(inline="always")
