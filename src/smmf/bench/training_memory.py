@@ -48,8 +48,13 @@ def _build(n_layer: int, n_embd: int, n_head: int, bf16: bool) -> torch.nn.Modul
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=1024, vocab_size=50257)
-    model = GPT2LMHeadModel(config)
-    return model.to(torch.bfloat16) if bf16 else model
+    # bf16 weights are built as bf16: an fp32 model cast afterwards would set the peak while it is built.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if bf16 else default)
+    try:
+        return GPT2LMHeadModel(config)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _optimizer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> torch.optim.Optimizer:
