@@ -785,11 +785,14 @@ def _takes_many(param: Tensor, state: dict[str, Any]) -> bool:
 
 
 def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> int:
-    """The steps of many tensors: the small fp32 ones in one launch, the rest one by one."""
+    """The steps of many tensors: the small fp32 ones in one launch, the rest one by one (as is a lone
+    small one — the step inside backward steps one tensor at a time — which then needs no shared launch
+    compiled: its code is the same)."""
     bad = 0
     rows_of_addresses, sizes, scalars, flags, alive = [], [], [], [], []
+    shared = sum(_takes_many(param, state) for param, _, state, _ in items) > 1
     for param, grad, state, cfg in items:
-        if not _takes_many(param, state):
+        if not (shared and _takes_many(param, state)):
             bad += numba_step_(param, grad, state, cfg)
             continue
         rows, cols = matrix_shape(param)
