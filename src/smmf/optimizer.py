@@ -220,7 +220,7 @@ class SMMF(Optimizer):
             the paper". The numba kernel takes both (the flag in two passes over the tensor); on
             CUDA they run on the torch path.
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
-            params — FSDP2 shards included, but with the magnitude flag — each when installed; the
+            params — FSDP2 shards included, except with the magnitude flag — each when installed; the
             torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
             CPU, CUDA shards, the opt-in momentum codes on CUDA), or one of ``"torch"``, ``"numba"``,
             ``"triton"``, which raises for a param it cannot take (default: ``"auto"``).

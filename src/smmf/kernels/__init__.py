@@ -64,7 +64,7 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU, the
     beyond-the-paper momentum codes on CUDA (:func:`smmf.state.momentum_code`: numba takes them all,
     Triton only the paper's). DTensor (FSDP2) parameters on CPU take the numba kernel over their
-    shard (but with the magnitude flag), the rest the sharded torch path. A named backend that cannot
+    shard (except with the magnitude flag), the rest the sharded torch path. A named backend that cannot
     take ``param`` raises ``RuntimeError``.
     """
     code = momentum_code(state)
