@@ -157,3 +157,35 @@ def fsdp1_flat_worker(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         torch.save({"messages": messages}, Path(out) / "fsdp1.pt")
     finish()
+
+
+def fsdp2_peak_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Extra resident peak of one FSDP2 step over the shard's bytes: the fused numba pass, then the
+    sharded torch path (run in a process whose large blocks are mmap-ed, so RSS follows them)."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from smmf.bench.procfs import reset_peak_rss, status_kib
+
+    init(rank, world, port)
+    mesh = init_device_mesh("cpu", (world,))
+    extra = {}
+    for backend in ("auto", "torch"):
+        model = nn.Linear(2048, 2048, bias=False)
+        fully_shard(model, mesh=mesh)
+        weight = next(model.parameters())
+        local = torch.randn(weight.to_local().shape)
+        weight.grad = DTensor.from_local(local, mesh, weight.placements, shape=weight.shape, stride=weight.stride())
+        opt = SMMF(model.parameters(), backend=backend)
+        opt.step()  # state, and the kernel's compilation or cache load, first
+        gc.collect()
+        reset_peak_rss()
+        before = status_kib("VmRSS") or 0
+        opt.step()
+        extra[backend] = ((status_kib("VmHWM") or 0) - before) * 1024 / (local.numel() * 4)
+    if rank == 0:
+        torch.save(extra, Path(out) / "fsdp2_peak.pt")
+    finish()
