@@ -322,6 +322,23 @@ def _gather_m_rows(row_m, row_acc_m, row0, row_end, m, m_cols, rows_per_block):
             row_m[r] += row_acc_m[b, r - lo]
 
 
+@numba.njit(inline="always")
+def _byte_span(start, width):
+    """The bytes of packed bits that elements ``start .. start + width`` use: the first, how many, and
+    the bit of element ``start`` in the first."""
+    first = start >> 3
+    return first, ((start + width - 1) >> 3) - first + 1, start & 7
+
+
+@numba.njit(inline="always")
+def _m_run(k, start, width, m_cols):
+    """From element ``k`` of a segment (elements ``start .. start + width``), the run that stays in one row
+    of M's view (``m_cols`` columns): that row, the run's first column in it, and its bounds j0 .. j1
+    in the segment."""
+    m_row = k // m_cols
+    return m_row, k - m_row * m_cols, k - start, min(width, (m_row + 1) * m_cols - start)
+
+
 @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
 def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, first_row, end_row, m, m_cols,
                lo, hi, has_m, sr, zero_bad, scalars):
@@ -364,19 +381,14 @@ def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, fir
             wseg = _load(w, here, width, wbuf)
             gseg = _load(g, here, width, gbuf)
             if has_m:
-                first = here >> 3
-                count = ((here + width - 1) >> 3) - first + 1
-                offset = here & 7
+                first, count, offset = _byte_span(here, width)
                 _unpack_bytes(signs, first, count, lanes)
                 # The segment in runs along one row of M's view (one run when it is V's).
                 sum_v = beta2 - beta2  # 0 in the work dtype
                 seg_bad = 0
                 k = start
                 while k < start + width:
-                    m_row = k // m_cols
-                    m_col = k - m_row * m_cols
-                    j0 = k - start
-                    j1 = min(width, (m_row + 1) * m_cols - start)
+                    m_row, m_col, j0, j1 = _m_run(k, start, width, m_cols)
                     run_m, run_v, run_bad = _row_with_momentum(
                         wseg[j0:j1], gseg[j0:j1], bits[offset + j0 : offset + j1],
                         col_m[m_col : m_col + j1 - j0], col_v[col0 + j0 : col0 + j1],
@@ -521,18 +533,13 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
                     _prefetch_lines(w, start + 2 * m, width)
             gseg = _load(g, start, width, gbuf)
             wseg = _load(w, start, width, wbuf) if reads_w else gseg
-            first = start >> 3
-            count = ((start + width - 1) >> 3) - first + 1
-            offset = start & 7
+            first, count, offset = _byte_span(start, width)
             _unpack_bytes(signs, first, count, sign_lanes)
             _unpack_bytes(flags, first, count, flag_lanes)
             sum_v = beta2 - beta2
             k = start
             while k < start + width:  # runs along one row of M's view
-                m_row = k // m_cols
-                m_col = k - m_row * m_cols
-                j0 = k - start
-                j1 = min(width, (m_row + 1) * m_cols - start)
+                m_row, m_col, j0, j1 = _m_run(k, start, width, m_cols)
                 run = slice(offset + j0, offset + j1)
                 m_run = slice(m_col, m_col + j1 - j0)
                 high_coef = beta1 * row_m[m_row] * high
