@@ -60,6 +60,8 @@ def test_training_memory_runs_each_configuration_in_a_fresh_process() -> None:
     tiny = (2, 64, 2, 1, 16)  # n_layer, n_embd, n_head, batch, sequence
     adam = run_fresh("tiny", "Adam(foreach=False)", tiny, "cpu")
     fused = run_fresh("tiny", "SMMF + step in backward", tiny, "cpu")
+    floor = run_fresh("tiny", "SGD + step in backward (floor)", tiny, "cpu")
+    assert floor["state"] == 0 and floor["grads"] == fused["grads"]
     assert adam["state"] == 2 * adam["weights"]  # Adam's two moments, fp32
     assert adam["grads"] == adam["weights"] and fused["grads"] < fused["weights"]  # only the largest one at once
     assert 0 < fused["state"] < adam["state"] / 20

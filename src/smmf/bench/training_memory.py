@@ -39,6 +39,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "SMMF": dict(optimizer="smmf"),
     "SMMF + step in backward": dict(optimizer="smmf", in_backward=True),
     "SMMF + step in backward, bf16 weights (SR)": dict(optimizer="smmf", in_backward=True, bf16=True),
+    # No optimizer state and no numba: the least any optimizer stepping inside backward can reach.
+    "SGD + step in backward (floor)": dict(optimizer="sgd", in_backward=True),
 }
 STEPS = 3
 
@@ -64,7 +66,21 @@ def _optimizer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> torc
         return torch.optim.Adam(params, lr=1e-4, foreach=config["foreach"])
     if config["optimizer"] == "adafactor":
         return torch.optim.Adafactor(params, lr=1e-2)
+    if config["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, foreach=False)
     return SMMF(params, lr=1e-4, decay_rate=-0.8, stochastic_rounding=config.get("bf16", False))
+
+
+def _sgd_in_backward(params: list[torch.nn.Parameter], lr: float) -> None:
+    """Plain SGD inside backward (the floor row): each weight steps and drops its gradient as soon as
+    the gradient is complete; ``optimizer.step()`` then has no gradient left to use."""
+    def hook(param: torch.Tensor) -> None:
+        with torch.no_grad():
+            param.add_(param.grad, alpha=-lr)
+        param.grad = None
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(hook)
 
 
 def _child(job: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +94,10 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(params, config)
     if config.get("in_backward"):
-        step_in_backward(optimizer)
+        if config["optimizer"] == "sgd":
+            _sgd_in_backward(params, optimizer.param_groups[0]["lr"])
+        else:
+            step_in_backward(optimizer)
     gen = torch.Generator().manual_seed(0)
     for _ in range(STEPS):
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
