@@ -56,3 +56,66 @@ def reconstruct_state(opt: SMMF, p: Tensor) -> tuple[Tensor | None, Tensor]:
 
 def state_tensors_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, Tensor))
+
+
+def step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict, cfg, cuts: list[int]) -> Tensor:
+    """One step of a matrix's weight taken as FSDP2 shards take it, in one process: each piece
+    ``cuts[i] .. cuts[i + 1]`` of the row-major flattening goes through ``shard_step`` (a kernel's
+    shard pass, ``(weight, grad, state, cfg, start)``) with its own copy of the factors and its own
+    sign bits; the raw sums the pieces leave are added up and normalized as the all-reduce does.
+    Updates ``state`` in place; returns the new weight, flat."""
+    from smmf.functional import store_factors_
+    from smmf.matrix import pack_signs
+
+    numel = weight.numel()
+    signs = unpack_signs(state["sign_m"], numel) if "sign_m" in state else None
+    pieces, bits, sums = [], [], []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        local = {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()}
+        if signs is not None:
+            local["sign_m"] = pack_signs(signs[lo:hi])
+        piece = weight.reshape(-1)[lo:hi].clone()
+        shard_step(piece, grad.reshape(-1)[lo:hi].clone(), local, cfg, lo)
+        pieces.append(piece)
+        if signs is not None:
+            bits.append(unpack_signs(local["sign_m"], hi - lo))
+        sums.append({key: local[key] for key in ("row_v", "col_v", "row_m", "col_m") if key in state})
+    for row_key, col_key in (("row_v", "col_v"), ("row_m", "col_m")):
+        if row_key in state:
+            store_factors_(state, row_key, col_key, sum(s[row_key] for s in sums), sum(s[col_key] for s in sums))
+    if signs is not None:
+        state["sign_m"] = pack_signs(torch.cat(bits))
+    return torch.cat(pieces)
+
+
+def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float) -> None:
+    """:func:`step_in_pieces` equals the torch path's step of the whole matrix, over 3 steps from
+    identical inputs: matrices whose width is a multiple of 8 and not, cut at a sign byte, mid-byte
+    and mid-row, with an empty piece; with and without the first moment."""
+    from smmf.functional import StepConfig, torch_step_
+    from smmf.state import init_state, matrix_shape
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(48, 64), (31, 9), (257, 33), (300, 1000)]:
+        for beta in (0.9, None):
+            p = torch.randn(shape, generator=gen).to(device, dtype)
+            state = init_state(p, {"beta": beta, "vector_reshape": True})
+            numel, cols = p.numel(), matrix_shape(p)[1]
+            cuts = [0, 8 * (numel // 24), numel // 2 + 1, numel // 2 + 1, numel - cols // 2, numel]
+            for step in range(1, 4):
+                cfg = StepConfig(lr=1e-2, beta1=None if beta is None else 0.9 * 0.999 ** (step - 1), beta2=0.9,
+                                 eps=1e-8, weight_decay=0.1, decoupled_weight_decay=step != 2, maximize=step == 3,
+                                 stochastic_rounding=False)
+                g = torch.randn(shape, generator=gen).to(device, dtype)
+                whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+                torch_step_(whole, g, whole_state, cfg)
+                flat = step_in_pieces(shard_step, p, g, state, cfg, cuts)
+                torch.testing.assert_close(flat.float(), whole.reshape(-1).float(), rtol=tol, atol=tol)
+                for key in ("row_v", "col_v", "row_m", "col_m"):
+                    if key in state:
+                        scale = whole_state[key].abs().max().item()
+                        torch.testing.assert_close(state[key], whole_state[key], rtol=tol, atol=tol * scale)
+                if beta is not None:
+                    flips = (unpack_signs(state["sign_m"], numel) != unpack_signs(whole_state["sign_m"], numel)).sum()
+                    assert flips.item() <= max(1, 1e-3 * numel), flips  # |M| at float noise may differ
+                p, state = whole, whole_state  # go on from identical inputs

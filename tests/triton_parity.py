@@ -102,8 +102,21 @@ def run_batched(device: str) -> None:
     print(f"{device} batched launch of {len(shapes)} tensors: OK")
 
 
+def run_shards(device: str) -> None:
+    """FSDP2 shards on the Triton kernel: pieces of a matrix (partial rows, starts on and off a sign
+    byte, an empty piece), their raw sums added up, equal the step of the whole matrix."""
+    from helpers import pieces_match_whole
+    from smmf.kernels.triton_gpu import triton_shard_step_
+
+    dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
+    for dtype in dtypes:
+        pieces_match_whole(triton_shard_step_, device, dtype, 1e-5 if dtype == torch.float32 else 1e-2)
+        print(f"{device} {dtype} shard passes: OK")
+
+
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    run_shards(device)
     run_batched(device)
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:

@@ -5,16 +5,17 @@ hence a band of rows (the first and last possibly partial) — of V's view and o
 of it under ``momentum_shape="natural"``). :func:`sharded_step_` runs the torch path on that band —
 the same lines as :func:`smmf.functional._factored_update`, with padding kept at zero — and sums the
 partial row and column sums over ranks with one all-reduce (and the magnitude flag's level sums with
-a second), so the factors, and therefore the update, are the single-device ones. On CPU the numba
-kernel makes the same pass over the shard in place (:func:`fused_sharded_step_`) and only the sums
-go through torch. Placement and checkpoint layout: :mod:`smmf.sharding`.
+a second), so the factors, and therefore the update, are the single-device ones. The fused kernels
+(numba on CPU, Triton on CUDA for the paper's code) make the same pass over the shard in place
+(:func:`fused_sharded_step_`) and only the sums go through torch. Placement and checkpoint layout:
+:mod:`smmf.sharding`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,8 @@ __all__ = ["Band", "fused_sharded_step_", "sharded_step_"]
 
 # Sums partial row/column sums across the ranks that share a matrix.
 Reducer = Callable[[list[Tensor]], list[Tensor]]
+# What a step reports of NaN/inf gradient elements: a count, a CUDA counter not yet read, or nothing.
+Nonfinite = Union[int, Tensor, None]
 
 
 @dataclass(frozen=True)
@@ -89,28 +92,49 @@ class Band:
             flat[self.first + self.numel :] = 0
 
 
-def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
+def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
     """The step of a DTensor parameter on the torch path: same contract as
     :func:`smmf.functional.torch_step_`."""
     return _sharded_step(param, grad, state, cfg, fused=False)
 
 
-def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
-    """The step of a CPU DTensor parameter on the numba kernel: one fused pass over the shard, then
-    the all-reduce of its row and column sums (the magnitude flag takes :func:`sharded_step_`)."""
+def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
+    """The step of a DTensor parameter on a fused kernel (numba on CPU, Triton on CUDA): one pass
+    over the shard, then the all-reduce of its row and column sums (the magnitude flag takes
+    :func:`sharded_step_`, and on CUDA so does the natural shape)."""
     return _sharded_step(param, grad, state, cfg, fused=True)
 
 
-def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, fused: bool) -> int:
+def _whole_pass(weight: Tensor) -> Callable[..., Nonfinite]:
+    """The fused kernel's step of a whole tensor on ``weight``'s device."""
+    if weight.is_cuda:
+        from .kernels.triton_gpu import triton_step_
+
+        return triton_step_
+    from .kernels.numba_cpu import numba_step_
+
+    return numba_step_
+
+
+def _shard_pass(weight: Tensor) -> Callable[..., Nonfinite]:
+    """The fused kernel's pass over a shard on ``weight``'s device (it leaves raw factor sums)."""
+    if weight.is_cuda:
+        from .kernels.triton_gpu import triton_shard_step_
+
+        return triton_shard_step_
+    from .kernels.numba_cpu import numba_shard_step_
+
+    return numba_shard_step_
+
+
+def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, fused: bool) -> Nonfinite:
     info = shard_info(param)
     assert info is not None, "sharded_step_ takes DTensor parameters"
     local_state = {key: local(value) for key, value in state.items()}
     weight, local_grad = local(param), local(grad)
     if EXP_AVG_SQ in state or not info.sharded:  # elementwise, or every rank holds it all
         if fused and EXP_AVG_SQ not in state:
-            from .kernels.numba_cpu import numba_step_
-
-            return numba_step_(weight, local_grad, local_state, cfg)
+            return _whole_pass(weight)(weight, local_grad, local_state, cfg)
         return torch_step_(weight, local_grad, local_state, cfg)
     rows, cols = matrix_shape(param)
     group = info.mesh.get_group()
@@ -127,13 +151,11 @@ def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
 
 
 def _fused_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
-                       reduce: Reducer) -> int:
-    """The numba kernel's pass over the shard leaves its raw factor sums in the factor vectors: add
+                       reduce: Reducer) -> Nonfinite:
+    """The fused kernel's pass over the shard leaves its raw factor sums in the factor vectors: add
     them up across ranks, then normalize as on one device."""
-    from .kernels.numba_cpu import numba_shard_step_
-
     work = weight if weight.is_contiguous() else weight.contiguous()
-    nonfinite = numba_shard_step_(work, grad, state, cfg, start)
+    nonfinite = _shard_pass(work)(work, grad, state, cfg, start)
     if work is not weight:
         weight.copy_(work)
     factors = [(ROW_V, COL_V)] + ([(ROW_M, COL_M)] if cfg.beta1 is not None else [])

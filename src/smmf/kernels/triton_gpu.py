@@ -24,11 +24,17 @@ own bytes. Otherwise a byte can straddle two tiles; the kernel then ORs the new 
 into a zeroed int32 scratch (OR commutes, so this stays deterministic), which the finish kernel
 copies over the state: N/8 extra bytes for those tensors only.
 
-Each tensor is described by one row of 14 int64 in a table: the addresses of w, g, signs, row_m,
+Each tensor is described by one row of 16 int64 in a table: the addresses of w, g, signs, row_m,
 col_m, row_v, col_v (columns 0–6), then n, m, column tiles, bands, its first work item, where its
-partial sums start and where its sign scratch starts (columns 7–13). The scalars of a launch (lr,
-β1_t, β2_t, …) are arguments, so tensors whose step configuration (or sign alignment) differs go to
-separate launches.
+partial sums start and where its sign scratch starts (columns 7–13), and the elements lo .. hi of
+the row-major flattening that w, g and the sign bits hold (columns 14–15: 0 .. n·m, or an FSDP2
+shard's range, whose first and last rows may be partial). The scalars of a launch (lr, β1_t, β2_t,
+…) are arguments, so tensors whose step configuration (or sign alignment) differs go to separate
+launches.
+
+An FSDP2 shard (:func:`triton_shard_step_`) is one launch over its rows; the finish kernel then
+leaves the raw row and column sums in the factor vectors (rows the shard lacks get 0), for the caller
+to add up across ranks and normalize, as the numba kernel's shards do.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from torch import Tensor
 from ..functional import StepConfig
 from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape, real_view
 
-__all__ = ["triton_step_", "triton_steps_"]
+__all__ = ["triton_shard_step_", "triton_step_", "triton_steps_"]
 
 # Tile shape and rows per work item. A tile of 4096 elements keeps enough bytes in flight per SM
 # to be bandwidth-bound; BLOCK_COLS is a multiple of 32 (the unaligned sign path packs 32 bits at a
@@ -52,6 +58,7 @@ __all__ = ["triton_step_", "triton_steps_"]
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 8
 BAND_ROWS = 256
 COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
+META_COLUMNS = 16
 
 
 @triton.jit
@@ -60,21 +67,26 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
                  ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
     laid out per tensor as [V rows: tiles×n][M rows: tiles×n][V cols: bands×m][M cols: bands×m];
-    ``words`` is the zeroed int32 sign scratch of the unaligned tensors. Scalars: ``gsign`` −1 to
-    maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the coupled decay coefficient,
-    ``seed`` for bf16 stochastic rounding. ``bad`` counts (a lower bound of) the NaN/inf gradient
-    elements, which count as zero when ``ZERO_BAD``. What one element adds to a factor sum is capped
-    (``smmf.matrix.factor_sum_cap``), so finite gradients keep the factors finite. A tile is held as (BR, BC/8, 8): the last axis is one sign
-    byte, so bits unpack and pack without reshaping. ``ALIGNED``: every tensor's m is a multiple of 8."""
+    ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
+    matrix, the bands only the rows that hold elements lo .. hi (``held_lo`` .. ``held_hi``).
+    Scalars: ``gsign`` −1 to maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the
+    coupled decay coefficient, ``seed`` for bf16 stochastic rounding. ``bad`` counts (a lower bound
+    of) the NaN/inf gradient elements, which count as zero when ``ZERO_BAD``. What one element adds
+    to a factor sum is capped (``smmf.matrix.factor_sum_cap``), so finite gradients keep the factors
+    finite. A tile is held as (BR, BC/8, 8): the last axis is one sign byte, so bits unpack and pack
+    without reshaping. ``ALIGNED``: every tensor's m and lo are multiples
+    of 8 (each row segment is whole bytes of the sign bits)."""
     tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
     BB: tl.constexpr = BC // 8
     item = tl.program_id(0)
     t = tl.load(item_tensor_ptr + item)
-    row = meta_ptr + t.to(tl.int64) * 14
+    row = meta_ptr + t.to(tl.int64) * 16
     n = tl.load(row + 7)
     m = tl.load(row + 8)
     tiles = tl.load(row + 9)
     bands = tl.load(row + 10)
+    held_lo = tl.load(row + 14)
+    held_hi = tl.load(row + 15)
     local = item - tl.load(row + 11)
     band = local // tiles
     tile = local % tiles
@@ -99,14 +111,17 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
     acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
     acc_m = tl.zeros((BR, BB, 8), dtype=tl.float32)
-    first_row = band * BAND
-    last_row = tl.minimum(first_row + BAND, n)
+    first_row = held_lo // m + band * BAND
+    last_row = tl.minimum(first_row + BAND, (held_hi + m - 1) // m)
     for r0 in range(first_row, last_row, BR):
         rows = r0 + tl.arange(0, BR)
         row_ok = rows < last_row
-        ok = row_ok[:, None, None] & col_ok
-        base = r0 * m  # int64: the tile's first element; offsets within the tile fit in int32
+        # int64: the tile's first element, globally and where w, g and the sign bits hold it;
+        # offsets within the tile fit in int32
+        start0 = r0 * m
+        base = start0 - held_lo
         offs = r_idx * m32 + cols
+        ok = row_ok[:, None, None] & col_ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
         w = tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink
         g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
         finite = tl.abs(g) <= 3.4028234663852886e38  # False for NaN
@@ -123,7 +138,10 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
         if HAS_M:
             if ALIGNED:  # a tile's row segment is whole bytes, one per (row, byte) of the tile
                 byte_offs = base // 8 + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
-                byte_ok = row_ok[:, None, None] & (tl.arange(0, BB)[None, :, None] * 8 + (tile * BC).to(tl.int32) < m32)
+                byte_col = tl.arange(0, BB)[None, :, None] * 8 + (tile * BC).to(tl.int32)
+                byte_elem = r_idx * m32 + byte_col  # the byte's first element, from start0
+                byte_ok = (row_ok[:, None, None] & (byte_col < m32) & (byte_elem >= held_lo - start0)
+                           & (byte_elem < held_hi - start0))
                 old = tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0)
                 bits = (old >> bit.to(tl.uint8)) & 1
             else:
@@ -140,16 +158,16 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
             else:
                 # Bits of row i, columns [c, c + 32) land at global bits start + [0, 32), i.e. in two
                 # int32 words: OR each word's share in.
-                start = rows.to(tl.int64) * m + tile * BC
+                start = rows.to(tl.int64) * m + tile * BC - held_lo  # may be < 0 before lo: those bits are 0, never written
                 off = (start & 31).to(tl.int32)
                 lane = tl.arange(0, 32)[None, None, :] + off[:, None, None]
                 shifted = tl.reshape(nonneg, (BR, BC // 32, 32)).to(tl.int64) << (lane & 31).to(tl.int64)
-                lo = tl.sum(tl.where(lane < 32, shifted, 0), axis=2).to(tl.int32)
-                hi = tl.sum(tl.where(lane >= 32, shifted, 0), axis=2).to(tl.int32)
+                low_word = tl.sum(tl.where(lane < 32, shifted, 0), axis=2).to(tl.int32)
+                high_word = tl.sum(tl.where(lane >= 32, shifted, 0), axis=2).to(tl.int32)
                 word = (start >> 5)[:, None] + tl.arange(0, BC // 32)[None, :]
                 group_ok = row_ok[:, None] & (tile * BC + tl.arange(0, BC // 32)[None, :] * 32 < m)
-                tl.atomic_or(words + word, lo, mask=group_ok & (lo != 0))
-                tl.atomic_or(words + word + 1, hi, mask=group_ok & (hi != 0))
+                tl.atomic_or(words + word, low_word, mask=group_ok & (low_word != 0))
+                tl.atomic_or(words + word + 1, high_word, mask=group_ok & (high_word != 0))
             a = tl.abs(mm)
             a = tl.where(a > cap, cap, a)
             tl.store(part + (tiles + tile) * n + rows, tl.sum(tl.sum(a, axis=2), axis=1), mask=row_ok)
@@ -163,7 +181,7 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
             # kept 16 bits (stochastic) or half an ulp to even (nearest), then truncate; NaN stays NaN.
             ubits = new_w.to(tl.uint32, bitcast=True)
             if STOCHASTIC:
-                ubits += (tl.randint(seed + t, (base + offs).to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+                ubits += (tl.randint(seed + t, (start0 + offs).to(tl.uint32)) & 0xFFFF).to(tl.uint32)
             else:
                 ubits += 0x7FFF + ((ubits >> 16) & 1)
             rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -179,17 +197,22 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
 
 @triton.jit
 def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.constexpr,
-                   COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr):
-    """Program (t, 0) finishes tensor t's V, (t, 1) its M: row factor = Σ over tiles, column factor
-    = Σ over bands / total (0 total → divide by 1, as ``nnmf_from_sums``), in a fixed order, KB
-    partials at a time. Programs (t, 2 …) copy an unaligned tensor's sign scratch over its bytes."""
+                   COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Program (t, 0) finishes tensor t's V, (t, 1) its M: row factor = Σ over tiles (0 for rows
+    without elements lo .. hi), column factor = Σ over bands / total (0 total → divide by 1, as
+    ``nnmf_from_sums``; not divided unless ``NORMALIZE``), in a fixed order, KB partials at a time.
+    Programs (t, 2 …) copy an unaligned tensor's sign scratch over its bytes."""
     t = tl.program_id(0)
     moment = tl.program_id(1)
-    row = meta_ptr + t.to(tl.int64) * 14
+    row = meta_ptr + t.to(tl.int64) * 16
     n = tl.load(row + 7)
     m = tl.load(row + 8)
     tiles = tl.load(row + 9)
     bands = tl.load(row + 10)
+    lo = tl.load(row + 14)
+    hi = tl.load(row + 15)
+    row0 = lo // m
+    row_end = (hi + m - 1) // m
     kk = tl.arange(0, KB)[:, None]
     if moment < 2:
         rows_out = tl.load(row + 5 - 2 * moment).to(tl.pointer_type(tl.float32))  # row_v, or row_m
@@ -201,43 +224,44 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
             idx = r0 + tl.arange(0, BLOCK)[None, :]
             s = tl.zeros((KB, BLOCK), dtype=tl.float32)
             for k0 in range(0, tiles, KB):
-                s += tl.load(rows_part + (k0 + kk) * n + idx, mask=(idx < n) & (k0 + kk < tiles), other=0.0)
+                held = (idx >= row0) & (idx < row_end)
+                s += tl.load(rows_part + (k0 + kk) * n + idx, mask=held & (k0 + kk < tiles), other=0.0)
             row_sum = tl.sum(s, axis=0)
             tl.store(rows_out + r0 + tl.arange(0, BLOCK), row_sum, mask=r0 + tl.arange(0, BLOCK) < n)
             total += row_sum
         grand = tl.sum(total, axis=0)
-        grand = tl.where(grand > 0, grand, 1.0)
+        grand = tl.where(grand > 0, grand, 1.0) if NORMALIZE else 1.0
         for c0 in range(0, m, BLOCK):
             idx = c0 + tl.arange(0, BLOCK)[None, :]
             s = tl.zeros((KB, BLOCK), dtype=tl.float32)
             for b0 in range(0, bands, KB):
                 s += tl.load(cols_part + (b0 + kk) * m + idx, mask=(idx < m) & (b0 + kk < bands), other=0.0)
             tl.store(cols_out + c0 + tl.arange(0, BLOCK), tl.sum(s, axis=0) / grand, mask=c0 + tl.arange(0, BLOCK) < m)
-    elif m % 8 != 0:
+    elif (m % 8 != 0) | (lo % 8 != 0):
         signs = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
         scratch = (words_ptr + tl.load(row + 13)).to(tl.pointer_type(tl.uint8), bitcast=True)
-        nbytes = (n * m + 7) // 8
+        nbytes = (hi - lo + 7) // 8
         for b0 in range((moment - 2) * COPY_BLOCK, nbytes, COPIERS * COPY_BLOCK):
             idx = b0 + tl.arange(0, COPY_BLOCK)
             tl.store(signs + idx, tl.load(scratch + idx, mask=idx < nbytes), mask=idx < nbytes)
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(shapes: tuple[tuple[int, int], ...], has_m: bool, device: torch.device) -> tuple[list[list[int]], Tensor, int, int]:
-    """Geometry of one launch, cached by its tensors' matrix shapes: each tensor's columns 7–13 of
-    the table, the work items' tensor indices (on ``device``), and the sizes of the
-    partial-sum buffer and of the sign scratch."""
+def _layout(spans: tuple[tuple[int, int, int, int], ...], has_m: bool, device: torch.device) -> tuple[list[list[int]], Tensor, int, int]:
+    """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi: the n×m matrix's elements
+    lo .. hi): each tensor's columns 7–15 of the table, the work items' tensor indices (on
+    ``device``), and the sizes of the partial-sum buffer and of the sign scratch."""
     geometry, counts = [], []
     first_item = partial_at = words_at = 0
-    for n, m in shapes:
-        tiles, bands = triton.cdiv(m, BLOCK_COLS), triton.cdiv(n, BAND_ROWS)
-        geometry.append([n, m, tiles, bands, first_item, partial_at, words_at])
+    for n, m, lo, hi in spans:
+        tiles, bands = triton.cdiv(m, BLOCK_COLS), triton.cdiv(triton.cdiv(hi, m) - lo // m, BAND_ROWS)
+        geometry.append([n, m, tiles, bands, first_item, partial_at, words_at, lo, hi])
         counts.append(tiles * bands)
         first_item += tiles * bands
         partial_at += 2 * tiles * n + 2 * bands * m
-        if has_m and m % 8:
-            words_at += n * m // 32 + 2
-    items = torch.repeat_interleave(torch.arange(len(shapes), dtype=torch.int32), torch.tensor(counts))
+        if has_m and (m % 8 or lo % 8):
+            words_at += (hi - lo) // 32 + 2
+    items = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), torch.tensor(counts))
     return geometry, items.to(device), partial_at, words_at
 
 
@@ -273,24 +297,50 @@ def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConf
         return None
     bad = torch.zeros(1, dtype=torch.int32, device=next(iter(launches.values()))[0][0].device)
     for (dtype, *_, stochastic, aligned), tensors in launches.items():
-        _launch(tensors, bad, dtype=dtype, stochastic=stochastic, aligned=aligned)
+        spans = tuple((n, m, 0, n * m) for n, m in (matrix_shape(w) for w, _, _, _ in tensors))
+        _launch(tensors, spans, bad, dtype=dtype, stochastic=stochastic, aligned=aligned, normalize=True)
     for weight, copy in copies_back:
         weight.copy_(copy)
     return bad if any(cfg.zero_nonfinite for _, _, _, cfg in items) else None
 
 
+def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
+                       start: int) -> Optional[Tensor]:
+    """The fused pass over an FSDP2 shard, the contract of
+    :func:`smmf.kernels.numba_cpu.numba_shard_step_`: ``weight`` (contiguous; fp32, bf16 or fp16)
+    and ``grad`` hold the elements ``start ..`` of the parameter's row-major flattening, ``state``
+    the rank-local state (whole factor vectors, this shard's sign bits). Updates the weight and
+    sign bits; leaves this shard's raw row and column sums in the four factor vectors (0 for rows
+    it lacks), for the caller to add up across shards and normalize. The paper's code only.
+    Returns what :func:`triton_steps_` returns."""
+    n, m = state[ROW_V].numel(), state[COL_V].numel()
+    grad = grad.to(weight.dtype).contiguous()
+    bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
+    if weight.numel():
+        aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
+        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel()),), bad, dtype=weight.dtype,
+                stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16, aligned=aligned,
+                normalize=False)
+    else:  # nothing held: no sums to contribute
+        for key in (ROW_V, COL_V, ROW_M, COL_M):
+            if key in state:
+                state[key].zero_()
+    return bad if cfg.zero_nonfinite else None
+
+
 def _launch(
     tensors: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]],
+    spans: tuple[tuple[int, int, int, int], ...],
     bad: Tensor,
     dtype: torch.dtype,
     stochastic: bool,
     aligned: bool,
+    normalize: bool,
 ) -> None:
     cfg = tensors[0][3]
     has_m = cfg.beta1 is not None
     device = tensors[0][0].device
-    shapes = tuple(matrix_shape(w) for w, _, _, _ in tensors)
-    geometry, item_tensor, partial_numel, words_numel = _layout(shapes, has_m, device)
+    geometry, item_tensor, partial_numel, words_numel = _layout(spans, has_m, device)
     table = []
     for (weight, g, state, _), geo in zip(tensors, geometry):
         row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
@@ -315,7 +365,8 @@ def _launch(
     )
     copiers = 0 if aligned else COPY_PROGRAMS
     _finish_kernel[(len(tensors), (2 if has_m else 1) + copiers)](
-        meta, partial, words, BLOCK=256, KB=16, COPIERS=max(copiers, 1), COPY_BLOCK=4096, num_warps=8,
+        meta, partial, words, BLOCK=256, KB=16, COPIERS=max(copiers, 1), COPY_BLOCK=4096, NORMALIZE=normalize,
+        num_warps=8,
     )
 
 
