@@ -218,8 +218,8 @@ def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, rest2, eps, g
 
 
 # The 1-bit magnitude flag (magnitude_bits=1): F = [|M| > r cᵀ] needs the *new* factors of |M|,
-# which need every row's |M|: a read-only pass sums |M|, then a second pass forms M again (same
-# arithmetic, same inputs), writes W, S and F and sums V. See :func:`smmf.functional.store_magnitude_flag_`.
+# which need every row's |M|: a first pass steps the weights and sums |M| and V, then a second pass
+# forms M again (same arithmetic, same inputs) and writes S and F (:func:`_flag_rows_pass`). See :func:`smmf.functional.store_magnitude_flag_`.
 
 
 @numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
@@ -256,12 +256,76 @@ def _finite_or_max(x, big):
 
 
 @numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _flag_fit(mj, estimate, big, zero):
+    """One element encoded against the new factors (``estimate`` = its R): sign and flag, and what it
+    adds to the flag's least-squares sums Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²."""
+    a = abs(mj)
+    flagged = a > estimate
+    fit = _finite_or_max(a * estimate, big)
+    energy = _finite_or_max(estimate * estimate, big)
+    return (mj >= 0, flagged, fit if flagged else zero, energy if flagged else zero, zero if flagged else fit,
+            zero if flagged else energy)
+
+
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _row_flag_update(wrow, grow, nonneg, above, col_m, acc_m, col_v, acc_v, high_coef, low_coef, rv,
+                     lr, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap):
+    """First pass without L2 decay, over a run of one M row: the weights from this step's M
+    (decoded from the stored code, whose bits are only read), the capped |M| and V into
+    ``acc_m``/``acc_v``; returns |M|'s and V's row sums and the NaN/inf elements met."""
+    zero = beta2 - beta2
+    sum_m = zero
+    sum_v = zero
+    any_bad = False
+    keep_bad = not zero_bad
+    for j in range(wrow.shape[0]):
+        wj, gj, vj, finite = _element(wrow[j], grow[j], col_v[j], rv, beta2, rest2, gsign, shrink, l2, keep_bad, big, zero)
+        any_bad |= not finite
+        mj = _flagged_momentum(rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
+        a = _capped(abs(mj), cap)
+        vs = _capped(vj, cap)
+        sum_m += a
+        sum_v += vs
+        acc_m[j] += a
+        acc_v[j] += vs
+        wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
+    return sum_m, sum_v, _count_bad(grow, big) if any_bad else 0
+
+
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _row_flag_encode(grow, nonneg, above, col_m, new_col_m, high_coef, low_coef, new_rm, fits, rest1, gsign,
+                     zero_bad, big):
+    """Second pass without L2 decay, over a run of one M row: this step's M formed again (as
+    :func:`_row_flag_sums` forms it), its new sign and flag bits (0/1 in ``nonneg``/``above``) and
+    the flag's least-squares sums (:func:`_flag_fit`) added into ``fits``. Reads only the gradient."""
+    zero = rest1 - rest1
+    fit_high = zero
+    energy_high = zero
+    fit_low = zero
+    energy_low = zero
+    keep_bad = not zero_bad
+    signed_rest1 = rest1 * gsign
+    for j in range(grow.shape[0]):
+        gj = grow[j]
+        gj = gj if (abs(gj) <= big) | keep_bad else zero
+        mj = _flagged_momentum(signed_rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
+        nonneg[j], above[j], fh, eh, fl, el = _flag_fit(mj, new_rm * new_col_m[j], big, zero)
+        fit_high += fh
+        energy_high += eh
+        fit_low += fl
+        energy_low += el
+    fits[0] += fit_high
+    fits[1] += energy_high
+    fits[2] += fit_low
+    fits[3] += energy_low
+
+
+@numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _row_flag_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, high_coef, low_coef, new_rm, rv, fits,
-                    lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap):
-    """Second pass over a run of one M row: the weights, the new sign and flag bits (0/1 in
-    ``nonneg``/``above``), V's column sums into ``acc_v``; adds the flag's least-squares sums
-    (Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R², R = the new r cᵀ) into ``fits``; returns V's row sum
-    and the NaN/inf elements met."""
+                    lr, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap):
+    """Second pass with L2 decay (M needs the weights before the step), over a run of one M row:
+    :func:`_row_flag_encode` and the weights and V of :func:`_row_flag_update` in one loop; returns
+    V's row sum and the NaN/inf elements met."""
     zero = beta2 - beta2
     sum_v = zero
     fit_high = zero
@@ -274,17 +338,11 @@ def _row_flag_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, h
         wj, gj, vj, finite = _element(wrow[j], grow[j], col_v[j], rv, beta2, rest2, gsign, shrink, l2, keep_bad, big, zero)
         any_bad |= not finite
         mj = _flagged_momentum(rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
-        nonneg[j] = mj >= 0
-        a = abs(mj)
-        estimate = new_rm * new_col_m[j]
-        flagged = a > estimate
-        above[j] = flagged
-        fit = _finite_or_max(a * estimate, big)
-        energy = _finite_or_max(estimate * estimate, big)
-        fit_high += fit if flagged else zero
-        energy_high += energy if flagged else zero
-        fit_low += zero if flagged else fit
-        energy_low += zero if flagged else energy
+        nonneg[j], above[j], fh, eh, fl, el = _flag_fit(mj, new_rm * new_col_m[j], big, zero)
+        fit_high += fh
+        energy_high += eh
+        fit_low += fl
+        energy_low += el
         vs = _capped(vj, cap)
         sum_v += vs
         acc_v[j] += vs
@@ -494,40 +552,45 @@ def _kernel_serial(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v
 
 @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
 def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-                    acc_m, acc_v, msums, fits, first_row, end_row, m, m_cols, write, sr, zero_bad, scalars):
+                    acc_m, acc_v, msums, fits, first_row, end_row, m, m_cols, phase, sr, zero_bad, scalars):
     """Rows ``first_row .. end_row`` of V's n×m view under the magnitude flag (one thread), like
-    :func:`_rows_pass`. ``write`` False (first pass): only reads, and sums |M| into
-    ``acc_m`` (columns) and ``msums`` (rows of M's view, from :func:`_first_m_row` on). ``write``
-    True (second pass, ``new_row_m``/``new_col_m`` hold the new factors of |M|): the weights, sign
-    and flag bits in place, the rows' new V sums into ``row_v``, V's column sums into ``acc_v`` and
-    the flag's level sums into ``fits``; returns the NaN/inf gradient elements met. ``scalars``:
-    :func:`_scalars`."""
+    :func:`_rows_pass`, in one of two passes (``phase`` 0, 1); this step's M is formed from the same
+    inputs in both. Either pass may *update*: the weights in place, the rows' new V sums into
+    ``row_v``, V's column sums into ``acc_v``, returning the NaN/inf gradient elements met. The
+    first pass sums |M| into ``acc_m`` (columns) and ``msums`` (rows of M's view, from
+    :func:`_first_m_row` on); the second (``new_row_m``/``new_col_m`` hold the new factors of |M|)
+    *encodes*: the sign and flag bits in place and the flag's level sums into ``fits``. Without L2
+    decay the first pass updates, and the second reads only the gradient and the bits (a third of
+    the bytes); with it, M needs the weights before the step, so the first pass only reads and the
+    second encodes and updates. ``scalars``: :func:`_scalars`."""
     lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap = scalars
     high, low = levels[0], levels[1]
+    updates = (phase == 0) == (l2 == 0)
+    encodes = phase == 1
+    reads_w = updates or l2 != 0
     tile = min(m, _COLUMN_TILE)
     acc_m[:] = 0
-    acc_v[:] = 0
     msums[:] = 0
     fits[:] = 0
+    if updates:  # V's column sums are kept from the pass that made them to the end of the step
+        acc_v[:] = 0
     m_row0 = _first_m_row(first_row, m, m_cols)
     sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
     wbuf = np.empty(tile, dtype=np.uint32)
     gbuf = np.empty(tile, dtype=np.uint32)
     sign_lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
     flag_lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
-    sign_bits = sign_lanes.view(np.uint8)
-    flag_bits = flag_lanes.view(np.uint8)
-    reads_w = write or l2 != 0
+    sign_bits, flag_bits = sign_lanes.view(np.uint8), flag_lanes.view(np.uint8)
     bad = 0
     for c0 in range(0, m, tile):
         c1 = min(m, c0 + tile)
         width = c1 - c0
         for i in range(first_row, end_row):
             start = i * m + c0
-            if write and i + 1 < end_row:
+            if updates and i + 1 < end_row:
                 _prefetch_lines(g, start + m, min(width, _PREFETCH))
                 _prefetch_lines(w, start + m, min(width, _PREFETCH))
-            elif not write and i + 2 < end_row:  # a lighter loop: fetch further ahead
+            elif not updates and i + 2 < end_row:  # a lighter loop: fetch further ahead
                 _prefetch_lines(g, start + 2 * m, width)
                 if reads_w:
                     _prefetch_lines(w, start + 2 * m, width)
@@ -544,12 +607,22 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
                 m_run = slice(m_col, m_col + j1 - j0)
                 high_coef = beta1 * row_m[m_row] * high
                 low_coef = beta1 * row_m[m_row] * low
-                if write:
+                if encodes and updates:
                     run_v, run_bad = _row_flag_write(
                         wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], new_col_m[m_run],
-                        col_v[c0 + j0 : c0 + j1], acc_v[c0 + j0 : c0 + j1], high_coef, low_coef,
-                        new_row_m[m_row], row_v[i], fits,
-                        lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                        col_v[c0 + j0 : c0 + j1], acc_v[c0 + j0 : c0 + j1], high_coef, low_coef, new_row_m[m_row],
+                        row_v[i], fits, lr, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                    sum_v += run_v
+                    bad += run_bad
+                elif encodes:
+                    _row_flag_encode(gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], new_col_m[m_run],
+                                     high_coef, low_coef, new_row_m[m_row], fits, rest1, gsign, zero_bad, big)
+                elif updates:
+                    run_m, run_v, run_bad = _row_flag_update(
+                        wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], acc_m[m_run],
+                        col_v[c0 + j0 : c0 + j1], acc_v[c0 + j0 : c0 + j1], high_coef, low_coef, row_v[i],
+                        lr, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
+                    msums[m_row - m_row0] += run_m
                     sum_v += run_v
                     bad += run_bad
                 else:
@@ -557,12 +630,13 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
                         wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], acc_m[m_run],
                         high_coef, low_coef, rest1, gsign, shrink, l2, zero_bad, big, cap)
                 k = start + j1
-            if write:
+            if encodes:
                 _pack_bytes(signs, first, count, sign_lanes)
                 _pack_bytes(flags, first, count, flag_lanes)
+            if updates:
                 sums_v[i - first_row] += sum_v
                 _store(w, start, wseg, sr)
-    if write:
+    if updates:
         row_v[first_row:end_row] = sums_v
     return bad
 
@@ -573,10 +647,10 @@ def _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, r
     """One SMMF step of one n×m matrix with the magnitude flag, in place: :func:`_step`'s
     arguments, and ``flags`` (uint8, laid out as ``signs``), ``levels`` (work dtype, 2: high,
     low), ``new_row_m``/``new_col_m`` (scratch, the size of ``row_m``/``col_m``) and ``fits``
-    (work dtype, blocks × 4: each block's level sums)."""
+    (work dtype, blocks × 4: each block's level sums). Two passes (:func:`_flag_rows_pass`)."""
+    l2 = scalars[8]
     for phase in range(2):  # one call site: numba inlines a closure once per function
-        write = phase == 1
-        if write:  # the new factors of |M|, from the first pass's sums
+        if phase == 1:  # the new factors of |M|, from the first pass's sums
             _gather_m_rows(new_row_m, row_acc_m, 0, n, m, m_cols, rows_per_block)
             _finish_cols(new_row_m, new_col_m, col_acc_m, True)
         for b in numba.prange(col_acc_v.shape[0]):
@@ -584,8 +658,8 @@ def _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, r
             bad = _flag_rows_pass(
                 w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v, col_acc_m[b],
                 col_acc_v[b], row_acc_m[b], fits[b], first_row, min(n, first_row + rows_per_block), m, m_cols,
-                write, sr, zero_bad, scalars)
-            if write:
+                phase, sr, zero_bad, scalars)
+            if (phase == 0) == (l2 == 0):  # the pass that updated
                 bad_counts[b] = bad
     _finish_cols(row_v, col_v, col_acc_v, True)
     row_m[:] = new_row_m
@@ -597,8 +671,6 @@ def _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, r
             fit += fits[b, 2 * level]
             energy += fits[b, 2 * level + 1]
         levels[level] = fit / energy if energy > 0 else 0
-
-
 @_cached_njit(parallel=True, **_KERNEL_OPTIONS)
 def _flag_kernel_parallel(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
                           col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr,
