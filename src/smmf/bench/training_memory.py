@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from typing import Any, Optional
 
 import torch
@@ -182,7 +183,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     parts = [("weights", "#4c72b0"), ("grads", "#dd8452"), ("state", "#c44e52"), ("rest", "#8c8c8c")]
     for ax, model in zip(axes[0], models):
         rows = [r for r in results if r["model"] == model]
-        names = [r["config"].replace(" + ", "\n+ ").replace(", ", ",\n").replace("(", "\n(") for r in rows]
+        names = ["\n".join(textwrap.wrap(r["config"].replace(",", "").replace(" (", "(").replace("(", " ("), 15, break_long_words=False))
+                 for r in rows]
         bottom = [0.0] * len(rows)
         for key, color in parts:
             values = [max(r[key], 0) / 2**30 for r in rows]
@@ -193,8 +195,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
         ax.set_title(f"{model}: peak memory of 3 training steps")
         ax.set_ylabel("GiB")
         ax.tick_params(axis="x", labelsize=7)
-    fig.legend(loc="upper right")
-    fig.tight_layout()
+    fig.legend(loc="upper center", ncol=len(parts))
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
