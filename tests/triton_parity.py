@@ -36,7 +36,8 @@ def _signs_agree_where_clear(m: torch.Tensor, ref: dict, out: dict) -> None:
     assert torch.equal(unpack_signs(ref["sign_m"], numel)[clear], unpack_signs(out["sign_m"], numel)[clear])
 
 
-def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: float, decoupled: bool) -> float:
+def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: float, decoupled: bool,
+        momentum_shape: str = "square") -> float:
     """20 steps; before each, the kernel gets the torch path's params and state, so every step is
     checked from identical inputs (a sign of an |M| at float-noise level may flip, and would then
     make the two trajectories drift apart for reasons that are not the kernel's)."""
@@ -44,7 +45,7 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
     worst = 0.0
     for shape in SHAPES:
         p = torch.randn(shape, generator=gen).to(device, dtype)
-        sp = init_state(p, {"beta": beta, "vector_reshape": True})
+        sp = init_state(p, {"beta": beta, "vector_reshape": True, "momentum_shape": momentum_shape})
         for step in range(1, 21):
             q = p.clone()
             sq = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sp.items()}
@@ -68,15 +69,17 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
 
 
 def run_batched(device: str) -> None:
-    """All shapes (and two large ones: several bands and tiles, aligned and not) in one launch,
-    mixed dtypes and a param one step behind: each equals its own torch-path step."""
+    """All shapes (and two large ones: several bands and tiles, aligned and not) in one call, mixed
+    dtypes, a param one step behind, and every third one's M in its natural shape: each equals its
+    own torch-path step."""
     from smmf.kernels.triton_gpu import triton_steps_
 
     gen = torch.Generator().manual_seed(1)
     shapes = SHAPES + [(875, 800), (1001, 999)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     params = [torch.randn(s, generator=gen).to(device, dtypes[i % 3]) for i, s in enumerate(shapes)]
-    states = [init_state(p, {"beta": 0.9, "vector_reshape": True}) for p in params]
+    states = [init_state(p, {"beta": 0.9, "vector_reshape": True, "momentum_shape": "natural" if i % 3 == 2 else "square"})
+              for i, p in enumerate(params)]
     for step in range(1, 4):
         items, expected = [], []
         for i, (p, st) in enumerate(zip(params, states)):
@@ -120,9 +123,12 @@ if __name__ == "__main__":
     run_batched(device)
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:
-        for beta, maximize, wd, decoupled in [(0.9, False, 0.0, True), (0.9, True, 0.1, True),
-                                              (None, False, 0.01, False), (0.9, False, 0.01, False)]:
-            worst = run(device, dtype, beta, maximize, wd, decoupled)
-            print(f"{device} {dtype} beta={beta} maximize={maximize} wd={wd} decoupled={decoupled}: max |Δw| {worst:.3g}")
+        for beta, maximize, wd, decoupled, shape in [
+            (0.9, False, 0.0, True, "square"), (0.9, True, 0.1, True, "square"), (None, False, 0.01, False, "square"),
+            (0.9, False, 0.01, False, "square"), (0.9, True, 0.1, True, "natural"), (0.9, False, 0.01, False, "natural"),
+        ]:
+            worst = run(device, dtype, beta, maximize, wd, decoupled, shape)
+            print(f"{device} {dtype} beta={beta} maximize={maximize} wd={wd} decoupled={decoupled} M {shape}: "
+                  f"max |Δw| {worst:.3g}")
     print("TRITON PARITY OK")
     sys.exit(0)

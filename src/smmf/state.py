@@ -78,6 +78,11 @@ def momentum_code(state: Mapping[str, Any]) -> str:
     return "paper"
 
 
+def momentum_cols(state: Mapping[str, Any], cols: int) -> int:
+    """Columns of M's own view: V's ``cols`` unless momentum_shape="natural" (or no first moment)."""
+    return state[COL_M].numel() if COL_M in state else cols
+
+
 def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpec]:
     """The tensors SMMF keeps for ``param`` between steps (``step`` is a plain int)."""
     dtype = factor_dtype(param)

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..functional import StepConfig
 from ..matrix import factor_sum_cap
-from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape
+from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape, momentum_cols
 
 __all__ = ["numba_shard_step_", "numba_step_"]
 
@@ -811,7 +811,7 @@ def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig
     has_m = cfg.beta1 is not None
     dtype = state[ROW_V].dtype
     scalar = np.float64 if dtype == torch.float64 else np.float32
-    m_cols = _momentum_cols(state, cols)
+    m_cols = momentum_cols(state, cols)
     col_acc_m = np.empty((blocks, m_cols if has_m else 0), dtype=scalar)
     col_acc_v = np.empty((blocks, cols), dtype=scalar)
     row_acc_m = np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar)
@@ -852,11 +852,6 @@ def _scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> list[float]:
             factor_sum_cap(numel, dtype)]
 
 
-def _momentum_cols(state: dict[str, Any], cols: int) -> int:
-    """Columns of M's own view: V's ``cols`` unless momentum_shape="natural" (or no first moment)."""
-    return state[COL_M].numel() if COL_M in state else cols
-
-
 def _takes_many(param: Tensor, state: dict[str, Any]) -> bool:
     """Small contiguous fp32 tensors: their step is mostly per-launch overhead, so they share one."""
     return (param.dtype == torch.float32 and 0 < param.numel() < _PARALLEL_MIN_NUMEL and param.is_contiguous()
@@ -881,7 +876,7 @@ def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]])
         moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
         rows_of_addresses.append((param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(),
                                   state[COL_V].data_ptr()))
-        sizes.append((rows, cols, _momentum_cols(state, cols)))
+        sizes.append((rows, cols, momentum_cols(state, cols)))
         scalars.append(_scalars(cfg, rows * cols, torch.float32))
         flags.append((has_m, cfg.zero_nonfinite))
     if rows_of_addresses:

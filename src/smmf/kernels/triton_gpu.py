@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..functional import StepConfig
-from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape, real_view
+from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape, momentum_code, momentum_cols, real_view
 
 __all__ = ["triton_shard_step_", "triton_step_", "triton_steps_"]
 
@@ -58,13 +58,14 @@ __all__ = ["triton_shard_step_", "triton_step_", "triton_steps_"]
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 8
 BAND_ROWS = 256
 COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
-META_COLUMNS = 16
+META_COLUMNS = 22
 
 
 @triton.jit
 def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
                  seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
+                 ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                 BAND: tl.constexpr):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
     laid out per tensor as [V rows: tiles×n][M rows: tiles×n][V cols: bands×m][M cols: bands×m];
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
@@ -80,11 +81,10 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     BB: tl.constexpr = BC // 8
     item = tl.program_id(0)
     t = tl.load(item_tensor_ptr + item)
-    row = meta_ptr + t.to(tl.int64) * 16
+    row = meta_ptr + t.to(tl.int64) * 22
     n = tl.load(row + 7)
     m = tl.load(row + 8)
     tiles = tl.load(row + 9)
-    bands = tl.load(row + 10)
     held_lo = tl.load(row + 14)
     held_hi = tl.load(row + 15)
     local = item - tl.load(row + 11)
@@ -95,6 +95,7 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     row_v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
     col_v_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
     part = partial_ptr + tl.load(row + 12)
+    m_part = partial_ptr + tl.load(row + 21)
     m32 = m.to(tl.int32)
     r_idx = tl.arange(0, BR)[:, None, None]
     bit = tl.arange(0, 8)[None, None, :]
@@ -106,7 +107,9 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
         row_m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
         col_m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
         words = words_ptr + tl.load(row + 13)
-        cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+        m_cols = tl.load(row + 16)
+        if not NATURAL:
+            cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
     cap = 3.4028234663852886e38 / (2.0 * (n * m).to(tl.float32))
     any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
     acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
@@ -147,9 +150,14 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
             else:
                 k = base + offs
                 bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
-            rm = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
+            if NATURAL:  # M's own view: each element's factors by its row and column there
+                k_m = start0 + offs
+                magnitude = (tl.load(row_m_ptr + k_m // m_cols, mask=ok, other=0.0)
+                             * tl.load(col_m_ptr + k_m % m_cols, mask=ok, other=0.0))
+            else:
+                magnitude = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None, None] * cm
             sign = bits.to(tl.float32) * 2.0 - 1.0
-            mm = beta1 * (rm * cm * sign) + (1.0 - beta1) * g
+            mm = beta1 * (magnitude * sign) + (1.0 - beta1) * g
             mm = tl.where(ok, mm, 0.0)
             nonneg = ((mm >= 0) & ok).to(tl.int32)
             if ALIGNED:
@@ -168,10 +176,11 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
                 group_ok = row_ok[:, None] & (tile * BC + tl.arange(0, BC // 32)[None, :] * 32 < m)
                 tl.atomic_or(words + word, low_word, mask=group_ok & (low_word != 0))
                 tl.atomic_or(words + word + 1, high_word, mask=group_ok & (high_word != 0))
-            a = tl.abs(mm)
-            a = tl.where(a > cap, cap, a)
-            tl.store(part + (tiles + tile) * n + rows, tl.sum(tl.sum(a, axis=2), axis=1), mask=row_ok)
-            acc_m += a
+            if not NATURAL:  # (under NATURAL, _natural_sums_kernel made |M|'s sums in M's view)
+                a = tl.abs(mm)
+                a = tl.where(a > cap, cap, a)
+                tl.store(m_part + tile * n + rows, tl.sum(tl.sum(a, axis=2), axis=1), mask=row_ok)
+                acc_m += a
             u = mm / (tl.sqrt(v) + eps)
         else:
             u = g / (tl.sqrt(v) + eps)
@@ -187,38 +196,99 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
             rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
             new_w = tl.where(new_w != new_w, new_w, rounded)
         tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
-    col_part = part + 2 * tiles * n + band * m
-    tl.store(col_part + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
+    tl.store(part + tiles * n + band * m + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
     bad = tl.sum(tl.sum(tl.sum(any_bad.to(tl.int32), axis=2), axis=1), axis=0)
     tl.atomic_add(bad_ptr, bad, mask=bad > 0)
-    if HAS_M:
-        tl.store(col_part + bands * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
+    if HAS_M and not NATURAL:
+        tl.store(m_part + tiles * n + band * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
+
+
+@triton.jit
+def _natural_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, shrink, l2, W_DTYPE: tl.constexpr,
+                         ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
+    """|M|'s partial row and column sums in M's own view (``momentum_shape="natural"``), one work
+    item per (band, column tile) of it, from the state before the step: this step's M formed as
+    :func:`_step_kernel` forms it, which then only reads M's factors. Runs first: the step kernel
+    rewrites the weights and the sign bits."""
+    item = tl.program_id(0)
+    t = tl.load(item_tensor_ptr + item)
+    row = meta_ptr + t.to(tl.int64) * 22
+    b = tl.load(row + 16)  # M's columns
+    a_rows = tl.load(row + 17)
+    tiles = tl.load(row + 18)
+    local = item - tl.load(row + 20)
+    band = local // tiles
+    tile = local % tiles
+    w_ptr = tl.load(row + 0).to(tl.pointer_type(W_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(W_DTYPE))
+    signs_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    row_m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    col_m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    m_part = partial_ptr + tl.load(row + 21)
+    n = tl.load(row + 7)
+    cap = 3.4028234663852886e38 / (2.0 * (n * tl.load(row + 8)).to(tl.float32))
+    b32 = b.to(tl.int32)
+    cols = (tile * BC).to(tl.int32) + tl.arange(0, BC)[None, :]
+    col_ok = cols < b32
+    cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+    acc = tl.zeros((BR, BC), dtype=tl.float32)
+    first_row = band * BAND
+    last_row = tl.minimum(first_row + BAND, a_rows)
+    for r0 in range(first_row, last_row, BR):
+        rows = r0 + tl.arange(0, BR)
+        row_ok = rows < last_row
+        ok = row_ok[:, None] & col_ok
+        base = r0 * b
+        offs = tl.arange(0, BR)[:, None] * b32 + cols
+        g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
+        if ZERO_BAD:
+            g = tl.where(tl.abs(g) <= 3.4028234663852886e38, g, 0.0)
+        if l2 != 0:  # L2 decay: M takes the weights too
+            g = g + l2 * (tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink)
+        k = base + offs
+        bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+        magnitude = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None] * cm
+        mm = beta1 * (magnitude * (bits.to(tl.float32) * 2.0 - 1.0)) + (1.0 - beta1) * g
+        m_abs = tl.where(ok, tl.abs(mm), 0.0)
+        m_abs = tl.where(m_abs > cap, cap, m_abs)
+        tl.store(m_part + tile * a_rows + rows, tl.sum(m_abs, axis=1), mask=row_ok)
+        acc += m_abs
+    tl.store(m_part + tiles * a_rows + band * b + tile * BC + tl.arange(0, BC), tl.sum(acc, axis=0),
+             mask=(tile * BC + tl.arange(0, BC)) < b)
 
 
 @triton.jit
 def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.constexpr,
                    COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr):
-    """Program (t, 0) finishes tensor t's V, (t, 1) its M: row factor = Σ over tiles (0 for rows
-    without elements lo .. hi), column factor = Σ over bands / total (0 total → divide by 1, as
+    """Program (t, 0) finishes tensor t's V, (t, 1) its M (in M's own view, columns 16–21 of the
+    table): row factor = Σ over tiles (0 for rows without elements lo .. hi), column factor = Σ over bands / total (0 total → divide by 1, as
     ``nnmf_from_sums``; not divided unless ``NORMALIZE``), in a fixed order, KB partials at a time.
     Programs (t, 2 …) copy an unaligned tensor's sign scratch over its bytes."""
     t = tl.program_id(0)
     moment = tl.program_id(1)
-    row = meta_ptr + t.to(tl.int64) * 16
+    row = meta_ptr + t.to(tl.int64) * 22
     n = tl.load(row + 7)
     m = tl.load(row + 8)
     tiles = tl.load(row + 9)
     bands = tl.load(row + 10)
     lo = tl.load(row + 14)
     hi = tl.load(row + 15)
-    row0 = lo // m
-    row_end = (hi + m - 1) // m
     kk = tl.arange(0, KB)[:, None]
     if moment < 2:
+        if moment == 1:  # M's view: V's unless momentum_shape="natural"
+            n = tl.load(row + 17)
+            m = tl.load(row + 16)
+            tiles = tl.load(row + 18)
+            bands = tl.load(row + 19)
+            at = tl.load(row + 21)
+        else:
+            at = tl.load(row + 12)
+        row0 = lo // m
+        row_end = (hi + m - 1) // m
         rows_out = tl.load(row + 5 - 2 * moment).to(tl.pointer_type(tl.float32))  # row_v, or row_m
         cols_out = tl.load(row + 6 - 2 * moment).to(tl.pointer_type(tl.float32))  # col_v, or col_m
-        rows_part = partial_ptr + tl.load(row + 12) + moment * tiles * n
-        cols_part = partial_ptr + tl.load(row + 12) + 2 * tiles * n + moment * bands * m
+        rows_part = partial_ptr + at
+        cols_part = partial_ptr + at + tiles * n
         total = tl.zeros((BLOCK,), dtype=tl.float32)
         for r0 in range(0, n, BLOCK):
             idx = r0 + tl.arange(0, BLOCK)[None, :]
@@ -247,22 +317,34 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(spans: tuple[tuple[int, int, int, int], ...], has_m: bool, device: torch.device) -> tuple[list[list[int]], Tensor, int, int]:
-    """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi: the n×m matrix's elements
-    lo .. hi): each tensor's columns 7–15 of the table, the work items' tensor indices (on
-    ``device``), and the sizes of the partial-sum buffer and of the sign scratch."""
-    geometry, counts = [], []
-    first_item = partial_at = words_at = 0
-    for n, m, lo, hi in spans:
+def _layout(spans: tuple[tuple[int, int, int, int, int], ...], has_m: bool,
+            device: torch.device) -> tuple[list[list[int]], Tensor, Tensor, int, int]:
+    """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi, m_cols: the n×m matrix's
+    elements lo .. hi, and the columns of M's view): each tensor's columns 7–21 of the table, the
+    step kernel's and the natural-shape sums kernel's work items (tensor indices, on ``device``), and
+    the sizes of the partial-sum buffer and of the sign scratch. Partial sums per tensor:
+    [V rows: tiles×n][V cols: bands×m][M rows: tiles×rows of M's view][M cols: bands×m_cols]."""
+    geometry, counts, natural_counts = [], [], []
+    first_item = first_natural_item = partial_at = words_at = 0
+    for n, m, lo, hi, m_cols in spans:
         tiles, bands = triton.cdiv(m, BLOCK_COLS), triton.cdiv(triton.cdiv(hi, m) - lo // m, BAND_ROWS)
-        geometry.append([n, m, tiles, bands, first_item, partial_at, words_at, lo, hi])
+        m_rows = n * m // m_cols
+        natural = m_cols != m
+        m_tiles, m_bands = (triton.cdiv(m_cols, BLOCK_COLS), triton.cdiv(m_rows, BAND_ROWS)) if natural else (tiles, bands)
+        m_partial_at = partial_at + tiles * n + bands * m
+        geometry.append([n, m, tiles, bands, first_item, partial_at, words_at, lo, hi,
+                         m_cols, m_rows, m_tiles, m_bands, first_natural_item, m_partial_at])
         counts.append(tiles * bands)
+        natural_counts.append(m_tiles * m_bands if natural else 0)
         first_item += tiles * bands
-        partial_at += 2 * tiles * n + 2 * bands * m
+        first_natural_item += natural_counts[-1]
+        partial_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
         if has_m and (m % 8 or lo % 8):
             words_at += (hi - lo) // 32 + 2
-    items = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), torch.tensor(counts))
-    return geometry, items.to(device), partial_at, words_at
+    index = torch.arange(len(spans), dtype=torch.int32)
+    items = torch.repeat_interleave(index, torch.tensor(counts))
+    natural_items = torch.repeat_interleave(index, torch.tensor(natural_counts))
+    return geometry, items.to(device), natural_items.to(device), partial_at, words_at
 
 
 def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
@@ -292,13 +374,16 @@ def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConf
             g = g.to(weight.dtype).contiguous()
         # Without a first moment there are no sign bits, and every tensor takes the aligned code.
         aligned = cfg.beta1 is None or matrix_shape(weight)[1] % 8 == 0
-        launches.setdefault((*_config_key(cfg, weight.dtype), aligned), []).append((weight, g, state, cfg))
+        natural = momentum_code(state) == "natural"
+        launches.setdefault((*_config_key(cfg, weight.dtype), aligned, natural), []).append((weight, g, state, cfg))
     if not launches:
         return None
     bad = torch.zeros(1, dtype=torch.int32, device=next(iter(launches.values()))[0][0].device)
-    for (dtype, *_, stochastic, aligned), tensors in launches.items():
-        spans = tuple((n, m, 0, n * m) for n, m in (matrix_shape(w) for w, _, _, _ in tensors))
-        _launch(tensors, spans, bad, dtype=dtype, stochastic=stochastic, aligned=aligned, normalize=True)
+    for (dtype, *_, stochastic, aligned, natural), tensors in launches.items():
+        spans = tuple((n, m, 0, n * m, momentum_cols(state, m))
+                      for (n, m), state in ((matrix_shape(w), st) for w, _, st, _ in tensors))
+        _launch(tensors, spans, bad, dtype=dtype, stochastic=stochastic, aligned=aligned, normalize=True,
+                natural=natural)
     for weight, copy in copies_back:
         weight.copy_(copy)
     return bad if any(cfg.zero_nonfinite for _, _, _, cfg in items) else None
@@ -318,9 +403,9 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
     if weight.numel():
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
-        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel()),), bad, dtype=weight.dtype,
+        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m),), bad, dtype=weight.dtype,
                 stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16, aligned=aligned,
-                normalize=False)
+                normalize=False, natural=False)
     else:  # nothing held: no sums to contribute
         for key in (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
@@ -330,17 +415,18 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
 
 def _launch(
     tensors: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]],
-    spans: tuple[tuple[int, int, int, int], ...],
+    spans: tuple[tuple[int, int, int, int, int], ...],
     bad: Tensor,
     dtype: torch.dtype,
     stochastic: bool,
     aligned: bool,
     normalize: bool,
+    natural: bool,
 ) -> None:
     cfg = tensors[0][3]
     has_m = cfg.beta1 is not None
     device = tensors[0][0].device
-    geometry, item_tensor, partial_numel, words_numel = _layout(spans, has_m, device)
+    geometry, item_tensor, natural_items, partial_numel, words_numel = _layout(spans, has_m, device)
     table = []
     for (weight, g, state, _), geo in zip(tensors, geometry):
         row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
@@ -355,13 +441,18 @@ def _launch(
     meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
     partial = torch.empty(partial_numel, dtype=torch.float32, device=device)
     words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
+    if natural:  # |M|'s sums in M's own view, before the step kernel rewrites the weights and signs
+        _natural_sums_kernel[(natural_items.numel(),)](
+            meta, natural_items, partial, cfg.beta1, *cfg.folded(), W_DTYPE=_TL_DTYPES[dtype],
+            ZERO_BAD=cfg.zero_nonfinite, BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS,
+        )
     _step_kernel[(item_tensor.numel(),)](
         meta, item_tensor, partial, words, bad,
         cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
         *cfg.folded(),
         int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
         W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic, ZERO_BAD=cfg.zero_nonfinite,
-        BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS,
+        NATURAL=natural, BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS,
     )
     copiers = 0 if aligned else COPY_PROGRAMS
     _finish_kernel[(len(tensors), (2 if has_m else 1) + copiers)](
