@@ -219,7 +219,8 @@ def _row_without_momentum(wrow, grow, col_v, acc_v, rv, lr, beta2, rest2, eps, g
 
 # The 1-bit magnitude flag (magnitude_bits=1): F = [|M| > r cᵀ] needs the *new* factors of |M|,
 # which need every row's |M|: a first pass steps the weights and sums |M| and V, then a second pass
-# forms M again (same arithmetic, same inputs) and writes S and F (:func:`_flag_rows_pass`). See :func:`smmf.functional.store_magnitude_flag_`.
+# forms M again (same arithmetic, same inputs) and writes S and F (:func:`_flag_rows_pass`). See
+# :func:`smmf.functional.store_magnitude_flag_`.
 
 
 @numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")

@@ -24,11 +24,13 @@ own bytes. Otherwise a byte can straddle two tiles; the kernel then ORs the new 
 into a zeroed int32 scratch (OR commutes, so this stays deterministic), which the finish kernel
 copies over the state: N/8 extra bytes for those tensors only.
 
-Each tensor is described by one row of 16 int64 in a table: the addresses of w, g, signs, row_m,
-col_m, row_v, col_v (columns 0–6), then n, m, column tiles, bands, its first work item, where its
-partial sums start and where its sign scratch starts (columns 7–13), and the elements lo .. hi of
-the row-major flattening that w, g and the sign bits hold (columns 14–15: 0 .. n·m, or an FSDP2
-shard's range, whose first and last rows may be partial). The scalars of a launch (lr, β1_t, β2_t,
+Each tensor is described by one row of :data:`META_COLUMNS` (22) int64 in a table: the addresses of
+w, g, signs, row_m, col_m, row_v, col_v (columns 0–6), then n, m, column tiles, bands, its first
+work item, where its (V's) partial sums start and where its sign scratch starts (columns 7–13), the
+elements lo .. hi of the row-major flattening that w, g and the sign bits hold (columns 14–15: 0 ..
+n·m, or an FSDP2 shard's range, whose first and last rows may be partial), and M's own view:
+columns, rows, column tiles, bands, the first work item of :func:`_natural_sums_kernel` and where
+M's partial sums start (columns 16–21; V's view unless ``momentum_shape="natural"``). The scalars of a launch (lr, β1_t, β2_t,
 …) are arguments, so tensors whose step configuration (or sign alignment) differs go to separate
 launches.
 
@@ -58,7 +60,7 @@ __all__ = ["triton_shard_step_", "triton_step_", "triton_steps_"]
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 8
 BAND_ROWS = 256
 COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
-META_COLUMNS = 22
+META_COLUMNS = tl.constexpr(22)  # int64 per tensor in the table (module docstring, _layout)
 
 
 @triton.jit
@@ -67,7 +69,7 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
                  ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                  BAND: tl.constexpr):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
-    laid out per tensor as [V rows: tiles×n][M rows: tiles×n][V cols: bands×m][M cols: bands×m];
+    laid out per tensor as [V rows: tiles×n][V cols: bands×m][M rows][M cols] (:func:`_layout`);
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
     matrix, the bands only the rows that hold elements lo .. hi (``held_lo`` .. ``held_hi``).
     Scalars: ``gsign`` −1 to maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the
@@ -81,7 +83,7 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     BB: tl.constexpr = BC // 8
     item = tl.program_id(0)
     t = tl.load(item_tensor_ptr + item)
-    row = meta_ptr + t.to(tl.int64) * 22
+    row = meta_ptr + t.to(tl.int64) * META_COLUMNS
     n = tl.load(row + 7)
     m = tl.load(row + 8)
     tiles = tl.load(row + 9)
@@ -212,7 +214,7 @@ def _natural_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
     rewrites the weights and the sign bits."""
     item = tl.program_id(0)
     t = tl.load(item_tensor_ptr + item)
-    row = meta_ptr + t.to(tl.int64) * 22
+    row = meta_ptr + t.to(tl.int64) * META_COLUMNS
     b = tl.load(row + 16)  # M's columns
     a_rows = tl.load(row + 17)
     tiles = tl.load(row + 18)
@@ -266,7 +268,7 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
     Programs (t, 2 …) copy an unaligned tensor's sign scratch over its bytes."""
     t = tl.program_id(0)
     moment = tl.program_id(1)
-    row = meta_ptr + t.to(tl.int64) * 22
+    row = meta_ptr + t.to(tl.int64) * META_COLUMNS
     n = tl.load(row + 7)
     m = tl.load(row + 8)
     tiles = tl.load(row + 9)
@@ -437,6 +439,7 @@ def _launch(
         table += [weight.data_ptr(), g.data_ptr(), signs, row_m, col_m, row_v, col_v, *geo]
     # Pinned, then an async copy: no stream sync, and the caching host allocator keeps the buffer
     # until the copy is done.
+    assert len(table) == len(tensors) * META_COLUMNS.value, "the table's rows and the kernels' META_COLUMNS disagree"
     meta = torch.tensor(table, dtype=torch.int64)
     meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
     partial = torch.empty(partial_numel, dtype=torch.float32, device=device)
