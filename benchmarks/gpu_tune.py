@@ -27,6 +27,9 @@ DEFAULT = dict(BLOCK_ROWS=triton_gpu.BLOCK_ROWS, BLOCK_COLS=triton_gpu.BLOCK_COL
                BAND_ROWS=triton_gpu.BAND_ROWS)
 CANDIDATES: dict[str, dict[str, Any]] = {
     "default": {},
+    # The default spills (255 registers and 328-1184 B of stack per thread, tests/triton_compile.py);
+    # 16 x 128 on 8 warps compiles without spills for every code of M.
+    "BR16-BC128-w8": dict(BLOCK_ROWS=16, BLOCK_COLS=128, WARPS=8),
     "BR16-BC128-w4": dict(BLOCK_ROWS=16, BLOCK_COLS=128, WARPS=4),
     "BR32-BC128-w4": dict(BLOCK_ROWS=32, BLOCK_COLS=128, WARPS=4),
     "BR16-BC256-w8": dict(BLOCK_ROWS=16, BLOCK_COLS=256, WARPS=8),

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from smmf.functional import StepConfig, torch_step_
+from smmf.functional import StepConfig, decompress_momentum, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
 from smmf.matrix import unpack_signs
 from smmf.schedules import beta1_at, beta2_at
@@ -18,11 +18,27 @@ from smmf.state import init_state
 SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128), (1000, 3)]
 
 
+def _decoded(state: dict) -> torch.Tensor:
+    """M̂ as the state encodes it, flat."""
+    shape = (state["row_m"].numel(), state["col_m"].numel())
+    numel = shape[0] * shape[1]
+    return decompress_momentum(state, state["row_m"], lambda bits: unpack_signs(bits, numel).view(shape)).reshape(-1)
+
+
+def _same_code(out: dict, ref: dict) -> None:
+    """The factors of V, and M̂ as decoded (the flag's levels may trade places where |M| = r cᵀ to
+    the last bit, e.g. a 1-row matrix: what matters is what they decode to), at 1e-5 of their scale."""
+    for key in ("row_v", "col_v"):
+        scale = ref[key].abs().max().item() if ref[key].numel() else 0.0
+        torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5 * scale)
+    if "row_m" in ref and ref["sign_m"].numel():
+        expected = _decoded(ref).abs()
+        torch.testing.assert_close(_decoded(out).abs(), expected, rtol=1e-5, atol=1e-5 * expected.max().item())
+
+
 def _first_moment(prev: dict, w: torch.Tensor, g: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
     """This step's uncompressed M, from the state before the step (to tell noise-level |M|)."""
-    numel = w.numel()
-    sign = unpack_signs(prev["sign_m"], numel).float() * 2 - 1
-    m_hat = sign * torch.outer(prev["row_m"], prev["col_m"]).reshape(-1)
+    m_hat = _decoded(prev)
     grad = (-g if cfg.maximize else g).float().reshape(-1)
     if not cfg.decoupled_weight_decay:
         grad = grad + cfg.weight_decay * w.float().reshape(-1)
@@ -30,14 +46,19 @@ def _first_moment(prev: dict, w: torch.Tensor, g: torch.Tensor, cfg: StepConfig)
 
 
 def _signs_agree_where_clear(m: torch.Tensor, ref: dict, out: dict) -> None:
-    """Sign bits equal wherever |M| is not within float noise of zero."""
+    """Sign bits equal wherever |M| is not within float noise of zero; under the magnitude flag, flag
+    bits equal wherever |M| is not within float noise of the new estimate r cᵀ."""
     clear = m.abs() > 1e-5 * m.abs().max()
     numel = m.numel()
     assert torch.equal(unpack_signs(ref["sign_m"], numel)[clear], unpack_signs(out["sign_m"], numel)[clear])
+    if "flag_m" in ref:
+        estimate = torch.outer(ref["row_m"], ref["col_m"]).reshape(-1)
+        clear = (m.abs() - estimate).abs() > 1e-5 * m.abs().max()
+        assert torch.equal(unpack_signs(ref["flag_m"], numel)[clear], unpack_signs(out["flag_m"], numel)[clear])
 
 
 def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: float, decoupled: bool,
-        momentum_shape: str = "square") -> float:
+        momentum_shape: str = "square", magnitude_bits: int = 0) -> float:
     """20 steps; before each, the kernel gets the torch path's params and state, so every step is
     checked from identical inputs (a sign of an |M| at float-noise level may flip, and would then
     make the two trajectories drift apart for reasons that are not the kernel's)."""
@@ -45,7 +66,8 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
     worst = 0.0
     for shape in SHAPES:
         p = torch.randn(shape, generator=gen).to(device, dtype)
-        sp = init_state(p, {"beta": beta, "vector_reshape": True, "momentum_shape": momentum_shape})
+        sp = init_state(p, {"beta": beta, "vector_reshape": True, "momentum_shape": momentum_shape,
+                            "magnitude_bits": magnitude_bits})
         for step in range(1, 21):
             q = p.clone()
             sq = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sp.items()}
@@ -58,10 +80,7 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
             triton_step_(q, g, sq, cfg)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(q.float(), p.float(), rtol=tol, atol=tol)
-            for key in ("row_m", "col_m", "row_v", "col_v"):
-                if key in sp:
-                    scale = sp[key].abs().max().item() if sp[key].numel() else 0.0
-                    torch.testing.assert_close(sq[key], sp[key], rtol=1e-5, atol=1e-5 * scale)
+            _same_code(sq, sp)
             if m is not None:
                 _signs_agree_where_clear(m, sp, sq)
             worst = max(worst, (q.float() - p.float()).abs().max().item() if p.numel() else 0.0)
@@ -70,15 +89,16 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
 
 def run_batched(device: str) -> None:
     """All shapes (and two large ones: several bands and tiles, aligned and not) in one call, mixed
-    dtypes, a param one step behind, and every third one's M in its natural shape: each equals its
-    own torch-path step."""
+    dtypes, a param one step behind, every third one's M in its natural shape and every fourth with
+    the magnitude flag: each equals its own torch-path step."""
     from smmf.kernels.triton_gpu import triton_steps_
 
     gen = torch.Generator().manual_seed(1)
     shapes = SHAPES + [(875, 800), (1001, 999)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     params = [torch.randn(s, generator=gen).to(device, dtypes[i % 3]) for i, s in enumerate(shapes)]
-    states = [init_state(p, {"beta": 0.9, "vector_reshape": True, "momentum_shape": "natural" if i % 3 == 2 else "square"})
+    states = [init_state(p, {"beta": 0.9, "vector_reshape": True, "momentum_shape": "natural" if i % 3 == 2 else "square",
+                             "magnitude_bits": int(i % 4 == 1)})
               for i, p in enumerate(params)]
     for step in range(1, 4):
         items, expected = [], []
@@ -95,11 +115,11 @@ def run_batched(device: str) -> None:
         for (p, _, st, _), (ref_p, ref_st) in zip(items, expected):
             tol = 1e-5 if p.dtype == torch.float32 else 1e-2
             torch.testing.assert_close(p.float(), ref_p.float(), rtol=tol, atol=tol)
-            for key in ("row_m", "col_m", "row_v", "col_v"):
-                scale = ref_st[key].abs().max().item()
-                torch.testing.assert_close(st[key], ref_st[key], rtol=1e-5, atol=1e-5 * scale)
-            flips = (st["sign_m"] != ref_st["sign_m"]).sum().item()
-            assert flips <= max(1, 1e-3 * st["sign_m"].numel()), flips
+            _same_code(st, ref_st)
+            for key in ("sign_m", "flag_m"):
+                if key in ref_st:
+                    flips = (st[key] != ref_st[key]).sum().item()
+                    assert flips <= max(1, 1e-3 * st[key].numel()), (key, flips)
             st.update({k: v for k, v in ref_st.items()})  # continue from identical inputs
             p.copy_(ref_p)
     print(f"{device} batched launch of {len(shapes)} tensors: OK")
@@ -123,12 +143,15 @@ if __name__ == "__main__":
     run_batched(device)
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:
-        for beta, maximize, wd, decoupled, shape in [
-            (0.9, False, 0.0, True, "square"), (0.9, True, 0.1, True, "square"), (None, False, 0.01, False, "square"),
-            (0.9, False, 0.01, False, "square"), (0.9, True, 0.1, True, "natural"), (0.9, False, 0.01, False, "natural"),
+        for beta, maximize, wd, decoupled, shape, bits in [
+            (0.9, False, 0.0, True, "square", 0), (0.9, True, 0.1, True, "square", 0),
+            (None, False, 0.01, False, "square", 0), (0.9, False, 0.01, False, "square", 0),
+            (0.9, True, 0.1, True, "natural", 0), (0.9, False, 0.01, False, "natural", 0),
+            (0.9, True, 0.1, True, "square", 1), (0.9, False, 0.01, False, "natural", 1),
+            (0.9, False, 0.0, True, "natural", 1),
         ]:
-            worst = run(device, dtype, beta, maximize, wd, decoupled, shape)
-            print(f"{device} {dtype} beta={beta} maximize={maximize} wd={wd} decoupled={decoupled} M {shape}: "
-                  f"max |Δw| {worst:.3g}")
+            worst = run(device, dtype, beta, maximize, wd, decoupled, shape, bits)
+            print(f"{device} {dtype} beta={beta} maximize={maximize} wd={wd} decoupled={decoupled} M {shape} "
+                  f"flag bits {bits}: max |Δw| {worst:.3g}")
     print("TRITON PARITY OK")
     sys.exit(0)

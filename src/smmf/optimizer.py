@@ -217,12 +217,11 @@ class SMMF(Optimizer):
             says whether |M| is above r cᵀ, and two per-tensor levels scale r cᵀ where it is / is not,
             so that small momentum coordinates are no longer given their row's average (default: 0).
             Both options cut an early-training stall on language models; see the README's "Beyond
-            the paper". The numba kernel takes both (the flag in two passes over the tensor), the
-            Triton kernel the natural shape; on CUDA the flag runs on the torch path.
+            the paper". Both fused kernels take both (the flag in two passes over the tensor).
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
             params — FSDP2 shards included, except with the magnitude flag — each when installed; the
             torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
-            CPU, the magnitude flag on CUDA and CUDA shards of the opt-in codes), or one of ``"torch"``, ``"numba"``,
+            CPU, and CUDA shards of the opt-in codes), or one of ``"torch"``, ``"numba"``,
             ``"triton"``, which raises for a param it cannot take (default: ``"auto"``).
 
     .. note::

@@ -60,7 +60,7 @@ MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"),
 
 def optim_map(device: str, momentum_codes: bool = False) -> dict[str, OptimFactory]:
     """The candidates on ``device``, strongest baseline first; with ``momentum_codes``, SMMF's opt-in
-    codes for M on the fused kernel too (on CUDA the magnitude flag on the torch path)."""
+    codes for M on the fused kernel too."""
     adam, fused = ("AdamW", "triton") if device == "cuda" else ("Adam", "numba")
     adam_cls = getattr(torch.optim, adam)
     table: dict[str, OptimFactory] = {
@@ -73,9 +73,7 @@ def optim_map(device: str, momentum_codes: bool = False) -> dict[str, OptimFacto
         table[f"SMMF({fused})"] = partial(SMMF, backend=fused)
         if momentum_codes:
             for name, options in MOMENTUM_CODES.items():
-                # The Triton kernel does not take the magnitude flag: on CUDA it runs on the torch path.
-                backend = "torch" if fused == "triton" and options.get("magnitude_bits") else fused
-                table[f"{name}({backend})"] = partial(SMMF, backend=backend, **options)
+                table[f"{name}({fused})"] = partial(SMMF, backend=fused, **options)
     return table
 
 

@@ -61,11 +61,10 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
 
     ``auto`` takes the Triton kernel for CUDA parameters (fp32, bf16, fp16 and complex of those)
     and the numba kernel for CPU ones (fp32, fp64, bf16) where installed. The torch path takes the
-    rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU, the
-    magnitude flag on CUDA (:func:`smmf.state.momentum_code`: numba takes every code, Triton the
-    paper's and the natural shape). DTensor (FSDP2) parameters take the same kernels over their shard
-    (numba: all but the magnitude flag; Triton: the paper's code, real dtypes), the rest the sharded
-    torch path. A named backend that cannot take ``param`` raises ``RuntimeError``.
+    rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU. Both
+    kernels take every code of M (:func:`smmf.state.momentum_code`). DTensor (FSDP2) parameters take
+    the same kernels over their shard (numba: all but the magnitude flag; Triton: the paper's code,
+    real dtypes), the rest the sharded torch path. A named backend that cannot take ``param`` raises ``RuntimeError``.
     """
     code = momentum_code(state)
     if is_dtensor(param):
@@ -86,17 +85,12 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
         from .numba_cpu import numba_step_
 
         return numba_step_
-    if backend in ("auto", "triton") and _triton_covers(param) and _has_module("triton") and code != "flag":
+    if backend in ("auto", "triton") and _triton_covers(param) and _has_module("triton"):
         from .triton_gpu import triton_step_
 
         return triton_step_
     if backend == "auto":
         return torch_step_
-    if backend == "triton" and _triton_covers(param) and code == "flag":
-        raise RuntimeError(
-            f"backend {backend!r} does not implement this momentum code ({code}: the Triton kernel takes the "
-            "paper's code and the natural shape; the numba kernel takes them all); use backend='auto' or 'torch'"
-        )
     raise RuntimeError(
         f"backend {backend!r} cannot update a {param.dtype} parameter on {param.device}; "
         "use backend='auto' to fall back to the torch path"

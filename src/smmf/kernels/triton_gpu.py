@@ -3,10 +3,11 @@ per launch.
 
 Contract (same as :func:`smmf.functional.torch_step_`): each ``param`` (fp32, bf16, fp16, or
 complex with such a real view) is updated in place from its ``grad``; its state — ``row_m``/
-``col_m``/``row_v``/``col_v``, the fp32 factors of the n̂×m̂ square-matricized view, and ``sign_m``,
-the packed sign bits laid out as :func:`smmf.matrix.pack_signs` specifies — is rewritten in place.
+``col_m``/``row_v``/``col_v``, the fp32 factors of the n̂×m̂ square-matricized view (M's in its own
+view under ``momentum_shape="natural"``), ``sign_m``, the packed sign bits, and under
+``magnitude_bits=1`` ``flag_m`` (packed like the signs) and ``levels_m`` — is rewritten in place.
 ``state['step']`` is already advanced. :func:`triton_steps_` takes a whole list of such tensors:
-an optimizer step is three launches whatever the number of tensors, as fused AdamW is one.
+an optimizer step is a fixed number of launches whatever the number of tensors, as fused AdamW is one.
 
 The launches, all deterministic (no floating-point atomics: a resumed run is bit-identical to an
 uninterrupted one):
@@ -19,24 +20,36 @@ uninterrupted one):
 2. ``_finish_kernel``: per tensor and moment, sums the partials in a fixed order and writes the row
    factors and the column factors divided by the total (``smmf.matrix.nnmf_from_sums``).
 
-Sign bits are laid out as :func:`smmf.matrix.pack_signs` specifies. When m̂ is a multiple of 8 every row is whole sign bytes and a tile reads and writes its
-own bytes. Otherwise a byte can straddle two tiles; the kernel then ORs the new bits, 32 at a time,
-into a zeroed int32 scratch (OR commutes, so this stays deterministic), which the finish kernel
-copies over the state: N/8 extra bytes for those tensors only.
+With M in its natural shape, or with the magnitude flag, ``_momentum_sums_kernel`` sums |M| in M's
+own view first (from the state before the step), so the step kernel only reads M's factors. The
+flag needs the *new* factors before it can encode (F = [|M| > r cᵀ]), so for it the finish kernel
+first writes them into the partial buffer, the step kernel decodes M with the old code and encodes
+it against them (new sign and flag bits, and per work item the four sums of the levels' least-squares
+fits), and ``_flag_finish_kernel`` copies the new factors into the state and makes the levels: five
+launches.
 
-Each tensor is described by one row of :data:`META_COLUMNS` (22) int64 in a table: the addresses of
+Sign bits are laid out as :func:`smmf.matrix.pack_signs` specifies. When m̂ is a multiple of 8
+every row is whole sign bytes and a tile reads and writes its own bytes. Otherwise a byte can
+straddle two tiles; the kernel then ORs the new bits, 32 at a time, into a zeroed int32 scratch (OR
+commutes, so this stays deterministic), which the finish kernel copies over the state: N/8 extra
+bytes for those tensors only (twice that with the flag's bits).
+
+Each tensor is described by one row of :data:`META_COLUMNS` (27) int64 in a table: the addresses of
 w, g, signs, row_m, col_m, row_v, col_v (columns 0–6), then n, m, column tiles, bands, its first
 work item, where its (V's) partial sums start and where its sign scratch starts (columns 7–13), the
 elements lo .. hi of the row-major flattening that w, g and the sign bits hold (columns 14–15: 0 ..
-n·m, or an FSDP2 shard's range, whose first and last rows may be partial), and M's own view:
-columns, rows, column tiles, bands, the first work item of :func:`_natural_sums_kernel` and where
-M's partial sums start (columns 16–21; V's view unless ``momentum_shape="natural"``). The scalars of a launch (lr, β1_t, β2_t,
-…) are arguments, so tensors whose step configuration (or sign alignment) differs go to separate
-launches.
+n·m, or an FSDP2 shard's range, whose first and last rows may be partial), M's own view: columns,
+rows, column tiles, bands, the first work item of :func:`_momentum_sums_kernel` and where M's
+partial sums start (columns 16–21; V's view unless ``momentum_shape="natural"``), and for the
+flag: the addresses of its bits and levels, where the new factors of |M| and the level sums sit
+in the partial buffer, and where its bit scratch starts (columns 22–26; 0 without the flag). The
+scalars of a launch (lr, β1_t, β2_t, …) are arguments, so tensors whose step configuration (or sign
+alignment, or code of M) differs go to separate launches.
 
 An FSDP2 shard (:func:`triton_shard_step_`) is one launch over its rows; the finish kernel then
 leaves the raw row and column sums in the factor vectors (rows the shard lacks get 0), for the caller
-to add up across ranks and normalize, as the numba kernel's shards do.
+to add up across ranks and normalize, as the numba kernel's shards do. (Shards with the natural
+shape or the flag take the sharded torch path.)
 """
 
 from __future__ import annotations
@@ -50,7 +63,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..functional import StepConfig
-from ..state import COL_M, COL_V, ROW_M, ROW_V, SIGN_M, matrix_shape, momentum_code, momentum_cols, real_view
+from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape, momentum_cols, real_view
 
 __all__ = ["triton_shard_step_", "triton_step_", "triton_steps_"]
 
@@ -60,14 +73,46 @@ __all__ = ["triton_shard_step_", "triton_step_", "triton_steps_"]
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 8
 BAND_ROWS = 256
 COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
-META_COLUMNS = tl.constexpr(22)  # int64 per tensor in the table (module docstring, _layout)
+META_COLUMNS = tl.constexpr(27)  # int64 per tensor in the table (module docstring, _layout)
+
+
+@triton.jit
+def _momentum(g, sign_bits, flag_bits, magnitude, high, low, beta1, FLAG: tl.constexpr):
+    """This step's M from the stored code: β1·(±r·c, times the flag's level under ``FLAG``) + (1 − β1)·G.
+    One expression for both kernels that form M, so they form the same bits."""
+    if FLAG:
+        magnitude = magnitude * tl.where(flag_bits != 0, high, low)
+    return beta1 * (magnitude * (sign_bits.to(tl.float32) * 2.0 - 1.0)) + (1.0 - beta1) * g
+
+
+@triton.jit
+def _finite_or_max(x):
+    """NaN → 0, +inf → the fp32 max (``nan_to_num(posinf=max)`` of the torch path)."""
+    x = tl.where(x != x, 0.0, x)
+    return tl.where(x > 3.4028234663852886e38, 3.4028234663852886e38, x)
+
+
+@triton.jit
+def _or_bits(words, bits, rows, tile, m, held_lo, row_ok, BR: tl.constexpr, BC: tl.constexpr):
+    """OR a tile's 0/1 ``bits`` (BR, BC/8, 8) into the int32 ``words`` that hold the bits of elements
+    lo .. hi: bits of row i, columns [c, c + 32) land at bits start + [0, 32), i.e. in two words."""
+    start = rows.to(tl.int64) * m + tile * BC - held_lo  # may be < 0 before lo: those bits are 0, never written
+    off = (start & 31).to(tl.int32)
+    lane = tl.arange(0, 32)[None, None, :] + off[:, None, None]
+    shifted = tl.reshape(bits, (BR, BC // 32, 32)).to(tl.int64) << (lane & 31).to(tl.int64)
+    low_word = tl.sum(tl.where(lane < 32, shifted, 0), axis=2).to(tl.int32)
+    high_word = tl.sum(tl.where(lane >= 32, shifted, 0), axis=2).to(tl.int32)
+    word = (start >> 5)[:, None] + tl.arange(0, BC // 32)[None, :]
+    group_ok = row_ok[:, None] & (tile * BC + tl.arange(0, BC // 32)[None, :] * 32 < m)
+    tl.atomic_or(words + word, low_word, mask=group_ok & (low_word != 0))
+    tl.atomic_or(words + word + 1, high_word, mask=group_ok & (high_word != 0))
 
 
 @triton.jit
 def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
                  seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                 BAND: tl.constexpr):
+                 ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr, BAND: tl.constexpr):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
     laid out per tensor as [V rows: tiles×n][V cols: bands×m][M rows][M cols] (:func:`_layout`);
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
@@ -78,7 +123,11 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     to a factor sum is capped (``smmf.matrix.factor_sum_cap``), so finite gradients keep the factors
     finite. A tile is held as (BR, BC/8, 8): the last axis is one sign byte, so bits unpack and pack
     without reshaping. ``ALIGNED``: every tensor's m and lo are multiples
-    of 8 (each row segment is whole bytes of the sign bits)."""
+    of 8 (each row segment is whole bytes of the sign bits). ``FLAG`` (the magnitude flag): M is
+    decoded with the flag's bits and levels, and encoded against the new factors of |M| that
+    :func:`_momentum_sums_kernel` and the finish kernel left in the partial buffer (columns 24–25):
+    new sign and flag bits, and each work item's four level sums. Under ``NATURAL`` or ``FLAG`` the
+    sums kernel made |M|'s sums and this kernel only reads M's factors."""
     tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
     BB: tl.constexpr = BC // 8
     item = tl.program_id(0)
@@ -112,10 +161,27 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
         m_cols = tl.load(row + 16)
         if not NATURAL:
             cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+        if FLAG:
+            flags_ptr = tl.load(row + 22).to(tl.pointer_type(tl.uint8))
+            levels_ptr = tl.load(row + 23).to(tl.pointer_type(tl.float32))
+            high = tl.load(levels_ptr)
+            low = tl.load(levels_ptr + 1)
+            new_row_m = partial_ptr + tl.load(row + 24)  # then the new column factors, from M's row count on
+            new_col_m = new_row_m + tl.load(row + 17)
+            flag_words = words_ptr + tl.load(row + 26)
+            if not NATURAL:
+                new_cm = tl.load(new_col_m + cols, mask=col_ok, other=0.0)
+        else:
+            high = 0.0
+            low = 0.0
     cap = 3.4028234663852886e38 / (2.0 * (n * m).to(tl.float32))
     any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
     acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
     acc_m = tl.zeros((BR, BB, 8), dtype=tl.float32)
+    fit_high = tl.zeros((), dtype=tl.float32)  # the flag's level sums (FLAG)
+    energy_high = tl.zeros((), dtype=tl.float32)
+    fit_low = tl.zeros((), dtype=tl.float32)
+    energy_low = tl.zeros((), dtype=tl.float32)
     first_row = held_lo // m + band * BAND
     last_row = tl.minimum(first_row + BAND, (held_hi + m - 1) // m)
     for r0 in range(first_row, last_row, BR):
@@ -147,38 +213,51 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
                 byte_elem = r_idx * m32 + byte_col  # the byte's first element, from start0
                 byte_ok = (row_ok[:, None, None] & (byte_col < m32) & (byte_elem >= held_lo - start0)
                            & (byte_elem < held_hi - start0))
-                old = tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0)
-                bits = (old >> bit.to(tl.uint8)) & 1
+                bits = (tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0) >> bit.to(tl.uint8)) & 1
+                if FLAG:
+                    flag_bits = (tl.load(flags_ptr + byte_offs, mask=byte_ok, other=0) >> bit.to(tl.uint8)) & 1
             else:
                 k = base + offs
                 bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+                if FLAG:
+                    flag_bits = (tl.load(flags_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+            if not FLAG:
+                flag_bits = bits
             if NATURAL:  # M's own view: each element's factors by its row and column there
                 k_m = start0 + offs
                 magnitude = (tl.load(row_m_ptr + k_m // m_cols, mask=ok, other=0.0)
                              * tl.load(col_m_ptr + k_m % m_cols, mask=ok, other=0.0))
             else:
                 magnitude = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None, None] * cm
-            sign = bits.to(tl.float32) * 2.0 - 1.0
-            mm = beta1 * (magnitude * sign) + (1.0 - beta1) * g
+            mm = _momentum(g, bits, flag_bits, magnitude, high, low, beta1, FLAG)
             mm = tl.where(ok, mm, 0.0)
             nonneg = ((mm >= 0) & ok).to(tl.int32)
             if ALIGNED:
                 packed = tl.sum(nonneg << bit, axis=2, keep_dims=True)
                 tl.store(signs_ptr + byte_offs, packed.to(tl.uint8), mask=byte_ok)
             else:
-                # Bits of row i, columns [c, c + 32) land at global bits start + [0, 32), i.e. in two
-                # int32 words: OR each word's share in.
-                start = rows.to(tl.int64) * m + tile * BC - held_lo  # may be < 0 before lo: those bits are 0, never written
-                off = (start & 31).to(tl.int32)
-                lane = tl.arange(0, 32)[None, None, :] + off[:, None, None]
-                shifted = tl.reshape(nonneg, (BR, BC // 32, 32)).to(tl.int64) << (lane & 31).to(tl.int64)
-                low_word = tl.sum(tl.where(lane < 32, shifted, 0), axis=2).to(tl.int32)
-                high_word = tl.sum(tl.where(lane >= 32, shifted, 0), axis=2).to(tl.int32)
-                word = (start >> 5)[:, None] + tl.arange(0, BC // 32)[None, :]
-                group_ok = row_ok[:, None] & (tile * BC + tl.arange(0, BC // 32)[None, :] * 32 < m)
-                tl.atomic_or(words + word, low_word, mask=group_ok & (low_word != 0))
-                tl.atomic_or(words + word + 1, high_word, mask=group_ok & (high_word != 0))
-            if not NATURAL:  # (under NATURAL, _natural_sums_kernel made |M|'s sums in M's view)
+                _or_bits(words, nonneg, rows, tile, m, held_lo, row_ok, BR, BC)
+            if FLAG:  # encode against the new factors: F = [|M| > R], and the least-squares sums
+                if NATURAL:
+                    estimate = (tl.load(new_row_m + k_m // m_cols, mask=ok, other=0.0)
+                                * tl.load(new_col_m + k_m % m_cols, mask=ok, other=0.0))
+                else:
+                    estimate = tl.load(new_row_m + rows, mask=row_ok, other=0.0)[:, None, None] * new_cm
+                a = tl.abs(mm)
+                above = (a > estimate) & ok
+                fit = tl.where(ok, _finite_or_max(a * estimate), 0.0)
+                energy = tl.where(ok, _finite_or_max(estimate * estimate), 0.0)
+                fit_high += tl.sum(tl.sum(tl.sum(tl.where(above, fit, 0.0), axis=2), axis=1), axis=0)
+                energy_high += tl.sum(tl.sum(tl.sum(tl.where(above, energy, 0.0), axis=2), axis=1), axis=0)
+                fit_low += tl.sum(tl.sum(tl.sum(tl.where(above, 0.0, fit), axis=2), axis=1), axis=0)
+                energy_low += tl.sum(tl.sum(tl.sum(tl.where(above, 0.0, energy), axis=2), axis=1), axis=0)
+                flagged = above.to(tl.int32)
+                if ALIGNED:
+                    tl.store(flags_ptr + byte_offs, tl.sum(flagged << bit, axis=2, keep_dims=True).to(tl.uint8),
+                             mask=byte_ok)
+                else:
+                    _or_bits(flag_words, flagged, rows, tile, m, held_lo, row_ok, BR, BC)
+            if not NATURAL and not FLAG:  # (else _momentum_sums_kernel made |M|'s sums in M's view)
                 a = tl.abs(mm)
                 a = tl.where(a > cap, cap, a)
                 tl.store(m_part + tile * n + rows, tl.sum(tl.sum(a, axis=2), axis=1), mask=row_ok)
@@ -201,17 +280,25 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     tl.store(part + tiles * n + band * m + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
     bad = tl.sum(tl.sum(tl.sum(any_bad.to(tl.int32), axis=2), axis=1), axis=0)
     tl.atomic_add(bad_ptr, bad, mask=bad > 0)
-    if HAS_M and not NATURAL:
+    if HAS_M and not NATURAL and not FLAG:
         tl.store(m_part + tiles * n + band * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
+    if FLAG:
+        level_sums = partial_ptr + tl.load(row + 25) + 4 * local
+        tl.store(level_sums, fit_high)
+        tl.store(level_sums + 1, energy_high)
+        tl.store(level_sums + 2, fit_low)
+        tl.store(level_sums + 3, energy_low)
 
 
 @triton.jit
-def _natural_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, shrink, l2, W_DTYPE: tl.constexpr,
-                         ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
-    """|M|'s partial row and column sums in M's own view (``momentum_shape="natural"``), one work
-    item per (band, column tile) of it, from the state before the step: this step's M formed as
+def _momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, shrink, l2, W_DTYPE: tl.constexpr,
+                          ZERO_BAD: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                          BAND: tl.constexpr):
+    """|M|'s partial row and column sums in M's own view (``momentum_shape="natural"``, and every
+    view under the magnitude flag, whose encoding needs the new factors first), one work item per
+    (band, column tile) of it, from the state before the step: this step's M formed as
     :func:`_step_kernel` forms it, which then only reads M's factors. Runs first: the step kernel
-    rewrites the weights and the sign bits."""
+    rewrites the weights and the sign (and flag) bits."""
     item = tl.program_id(0)
     t = tl.load(item_tensor_ptr + item)
     row = meta_ptr + t.to(tl.int64) * META_COLUMNS
@@ -227,6 +314,14 @@ def _natural_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
     row_m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     col_m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     m_part = partial_ptr + tl.load(row + 21)
+    if FLAG:
+        flags_ptr = tl.load(row + 22).to(tl.pointer_type(tl.uint8))
+        levels_ptr = tl.load(row + 23).to(tl.pointer_type(tl.float32))
+        high = tl.load(levels_ptr)
+        low = tl.load(levels_ptr + 1)
+    else:
+        high = 0.0
+        low = 0.0
     n = tl.load(row + 7)
     cap = 3.4028234663852886e38 / (2.0 * (n * tl.load(row + 8)).to(tl.float32))
     b32 = b.to(tl.int32)
@@ -249,8 +344,12 @@ def _natural_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
             g = g + l2 * (tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink)
         k = base + offs
         bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+        if FLAG:
+            flag_bits = (tl.load(flags_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+        else:
+            flag_bits = bits
         magnitude = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None] * cm
-        mm = beta1 * (magnitude * (bits.to(tl.float32) * 2.0 - 1.0)) + (1.0 - beta1) * g
+        mm = _momentum(g, bits, flag_bits, magnitude, high, low, beta1, FLAG)
         m_abs = tl.where(ok, tl.abs(mm), 0.0)
         m_abs = tl.where(m_abs > cap, cap, m_abs)
         tl.store(m_part + tile * a_rows + rows, tl.sum(m_abs, axis=1), mask=row_ok)
@@ -261,13 +360,17 @@ def _natural_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
 
 @triton.jit
 def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.constexpr,
-                   COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr):
-    """Program (t, 0) finishes tensor t's V, (t, 1) its M (in M's own view, columns 16–21 of the
-    table): row factor = Σ over tiles (0 for rows without elements lo .. hi), column factor = Σ over bands / total (0 total → divide by 1, as
-    ``nnmf_from_sums``; not divided unless ``NORMALIZE``), in a fixed order, KB partials at a time.
-    Programs (t, 2 …) copy an unaligned tensor's sign scratch over its bytes."""
+                   COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr, FIRST: tl.constexpr,
+                   MOMENTS: tl.constexpr, TO_SCRATCH: tl.constexpr, FLAG: tl.constexpr):
+    """Program (t, j < MOMENTS) finishes tensor t's moment FIRST + j: 0 is V, 1 is M (in M's own
+    view, columns 16–21 of the table): row factor = Σ over tiles (0 for rows without elements lo ..
+    hi), column factor = Σ over bands / total (0 total → divide by 1, as ``nnmf_from_sums``; not
+    divided unless ``NORMALIZE``), in a fixed order, KB partials at a time; into the state, or with
+    ``TO_SCRATCH`` into the partial buffer at column 24 (the magnitude flag's new factors, which the
+    step kernel encodes against while it still decodes with the old ones). Programs (t, MOMENTS …)
+    copy an unaligned tensor's sign scratch (and under ``FLAG`` its flag scratch) over its bytes."""
     t = tl.program_id(0)
-    moment = tl.program_id(1)
+    j = tl.program_id(1)
     row = meta_ptr + t.to(tl.int64) * META_COLUMNS
     n = tl.load(row + 7)
     m = tl.load(row + 8)
@@ -276,7 +379,8 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
     lo = tl.load(row + 14)
     hi = tl.load(row + 15)
     kk = tl.arange(0, KB)[:, None]
-    if moment < 2:
+    if j < MOMENTS:
+        moment = FIRST + j
         if moment == 1:  # M's view: V's unless momentum_shape="natural"
             n = tl.load(row + 17)
             m = tl.load(row + 16)
@@ -287,8 +391,12 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
             at = tl.load(row + 12)
         row0 = lo // m
         row_end = (hi + m - 1) // m
-        rows_out = tl.load(row + 5 - 2 * moment).to(tl.pointer_type(tl.float32))  # row_v, or row_m
-        cols_out = tl.load(row + 6 - 2 * moment).to(tl.pointer_type(tl.float32))  # col_v, or col_m
+        if TO_SCRATCH:
+            rows_out = partial_ptr + tl.load(row + 24)
+            cols_out = rows_out + n
+        else:
+            rows_out = tl.load(row + 5 - 2 * moment).to(tl.pointer_type(tl.float32))  # row_v, or row_m
+            cols_out = tl.load(row + 6 - 2 * moment).to(tl.pointer_type(tl.float32))  # col_v, or col_m
         rows_part = partial_ptr + at
         cols_part = partial_ptr + at + tiles * n
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -310,43 +418,90 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
                 s += tl.load(cols_part + (b0 + kk) * m + idx, mask=(idx < m) & (b0 + kk < bands), other=0.0)
             tl.store(cols_out + c0 + tl.arange(0, BLOCK), tl.sum(s, axis=0) / grand, mask=c0 + tl.arange(0, BLOCK) < m)
     elif (m % 8 != 0) | (lo % 8 != 0):
-        signs = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-        scratch = (words_ptr + tl.load(row + 13)).to(tl.pointer_type(tl.uint8), bitcast=True)
         nbytes = (hi - lo + 7) // 8
-        for b0 in range((moment - 2) * COPY_BLOCK, nbytes, COPIERS * COPY_BLOCK):
-            idx = b0 + tl.arange(0, COPY_BLOCK)
-            tl.store(signs + idx, tl.load(scratch + idx, mask=idx < nbytes), mask=idx < nbytes)
+        _copy_bytes(tl.load(row + 2).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + 13), nbytes,
+                    j - MOMENTS, COPIERS, COPY_BLOCK)
+        if FLAG:
+            _copy_bytes(tl.load(row + 22).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + 26), nbytes,
+                        j - MOMENTS, COPIERS, COPY_BLOCK)
+
+
+@triton.jit
+def _copy_bytes(dst, words, nbytes, copier, COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr):
+    """Copier ``copier`` of COPIERS: its share of the bytes of an int32 bit scratch over ``dst``."""
+    scratch = words.to(tl.pointer_type(tl.uint8), bitcast=True)
+    for b0 in range(copier * COPY_BLOCK, nbytes, COPIERS * COPY_BLOCK):
+        idx = b0 + tl.arange(0, COPY_BLOCK)
+        tl.store(dst + idx, tl.load(scratch + idx, mask=idx < nbytes), mask=idx < nbytes)
+
+
+@triton.jit
+def _flag_finish_kernel(meta_ptr, partial_ptr, BLOCK: tl.constexpr):
+    """Program t, under the magnitude flag, after the finish kernel: tensor t's new factors of |M|
+    (column 24 of the table: in the partial buffer) into its state, and its levels h, l from the step
+    kernel's per-work-item sums (column 25), added in a fixed order: h = Σ_F |M|·R / Σ_F R², likewise
+    l over ¬F (0 where the denominator is 0; :func:`smmf.functional.flag_levels`)."""
+    t = tl.program_id(0)
+    row = meta_ptr + t.to(tl.int64) * META_COLUMNS
+    m_cols = tl.load(row + 16)
+    factors = tl.load(row + 17) + m_cols  # the new row factors, then the column factors
+    new = partial_ptr + tl.load(row + 24)
+    row_m = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    col_m = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    for i0 in range(0, factors, BLOCK):
+        idx = i0 + tl.arange(0, BLOCK)
+        value = tl.load(new + idx, mask=idx < factors)
+        tl.store(row_m + idx, value, mask=idx < factors - m_cols)
+        tl.store(col_m + idx - (factors - m_cols), value, mask=(idx >= factors - m_cols) & (idx < factors))
+    items = tl.load(row + 9) * tl.load(row + 10)
+    sums = partial_ptr + tl.load(row + 25)
+    slot = tl.arange(0, 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # (level, fit | energy)
+    acc = tl.zeros((BLOCK, 2, 2), dtype=tl.float32)
+    for i0 in range(0, items, BLOCK):
+        item = i0 + tl.arange(0, BLOCK)[:, None, None]
+        acc += tl.load(sums + item * 4 + slot, mask=item < items, other=0.0)
+    by_level = tl.sum(acc, axis=0)
+    kind = tl.arange(0, 2)[None, :]
+    fit = tl.sum(tl.where(kind == 0, by_level, 0.0), axis=1)
+    energy = tl.sum(tl.where(kind == 1, by_level, 0.0), axis=1)
+    levels = tl.where(energy > 0, fit / tl.where(energy > 0, energy, 1.0), 0.0)
+    tl.store(tl.load(row + 23).to(tl.pointer_type(tl.float32)) + tl.arange(0, 2), levels)
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(spans: tuple[tuple[int, int, int, int, int], ...], has_m: bool,
+def _layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool,
             device: torch.device) -> tuple[list[list[int]], Tensor, Tensor, int, int]:
-    """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi, m_cols: the n×m matrix's
-    elements lo .. hi, and the columns of M's view): each tensor's columns 7–21 of the table, the
-    step kernel's and the natural-shape sums kernel's work items (tensor indices, on ``device``), and
-    the sizes of the partial-sum buffer and of the sign scratch. Partial sums per tensor:
-    [V rows: tiles×n][V cols: bands×m][M rows: tiles×rows of M's view][M cols: bands×m_cols]."""
-    geometry, counts, natural_counts = [], [], []
-    first_item = first_natural_item = partial_at = words_at = 0
-    for n, m, lo, hi, m_cols in spans:
+    """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi, m_cols, flag: the n×m
+    matrix's elements lo .. hi, the columns of M's view, whether M carries the magnitude flag):
+    each tensor's columns 7–21 and 24–26 of the table, the step kernel's and the momentum sums
+    kernel's work items (tensor indices, on ``device``), and the sizes of the partial-sum buffer and
+    of the bit scratch. Partial sums per tensor: [V rows: tiles×n][V cols: bands×m][M rows:
+    tiles×rows of M's view][M cols: bands×m_cols], then under the flag [M's new row factors][its new
+    column factors][4 level sums per step work item]."""
+    geometry, counts, sums_counts = [], [], []
+    first_item = first_sums_item = partial_at = words_at = 0
+    for n, m, lo, hi, m_cols, flag in spans:
         tiles, bands = triton.cdiv(m, BLOCK_COLS), triton.cdiv(triton.cdiv(hi, m) - lo // m, BAND_ROWS)
         m_rows = n * m // m_cols
-        natural = m_cols != m
-        m_tiles, m_bands = (triton.cdiv(m_cols, BLOCK_COLS), triton.cdiv(m_rows, BAND_ROWS)) if natural else (tiles, bands)
+        sums_first = m_cols != m or flag  # |M|'s sums by _momentum_sums_kernel, in M's view
+        m_tiles, m_bands = (triton.cdiv(m_cols, BLOCK_COLS), triton.cdiv(m_rows, BAND_ROWS)) if sums_first else (tiles, bands)
         m_partial_at = partial_at + tiles * n + bands * m
+        new_m_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
+        level_sums_at = new_m_at + (m_rows + m_cols if flag else 0)
+        sign_words = (hi - lo) // 32 + 2 if has_m and (m % 8 or lo % 8) else 0
         geometry.append([n, m, tiles, bands, first_item, partial_at, words_at, lo, hi,
-                         m_cols, m_rows, m_tiles, m_bands, first_natural_item, m_partial_at])
+                         m_cols, m_rows, m_tiles, m_bands, first_sums_item, m_partial_at,
+                         new_m_at, level_sums_at, words_at + sign_words])
         counts.append(tiles * bands)
-        natural_counts.append(m_tiles * m_bands if natural else 0)
+        sums_counts.append(m_tiles * m_bands if sums_first else 0)
         first_item += tiles * bands
-        first_natural_item += natural_counts[-1]
-        partial_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
-        if has_m and (m % 8 or lo % 8):
-            words_at += (hi - lo) // 32 + 2
+        first_sums_item += sums_counts[-1]
+        partial_at = level_sums_at + (4 * tiles * bands if flag else 0)
+        words_at += sign_words * (2 if flag else 1)
     index = torch.arange(len(spans), dtype=torch.int32)
     items = torch.repeat_interleave(index, torch.tensor(counts))
-    natural_items = torch.repeat_interleave(index, torch.tensor(natural_counts))
-    return geometry, items.to(device), natural_items.to(device), partial_at, words_at
+    sums_items = torch.repeat_interleave(index, torch.tensor(sums_counts))
+    return geometry, items.to(device), sums_items.to(device), partial_at, words_at
 
 
 def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
@@ -375,17 +530,19 @@ def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConf
         if g.dtype != weight.dtype or not g.is_contiguous():
             g = g.to(weight.dtype).contiguous()
         # Without a first moment there are no sign bits, and every tensor takes the aligned code.
-        aligned = cfg.beta1 is None or matrix_shape(weight)[1] % 8 == 0
-        natural = momentum_code(state) == "natural"
-        launches.setdefault((*_config_key(cfg, weight.dtype), aligned, natural), []).append((weight, g, state, cfg))
+        m = matrix_shape(weight)[1]
+        aligned = cfg.beta1 is None or m % 8 == 0
+        natural = momentum_cols(state, m) != m
+        key = (*_config_key(cfg, weight.dtype), aligned, natural, FLAG_M in state)
+        launches.setdefault(key, []).append((weight, g, state, cfg))
     if not launches:
         return None
     bad = torch.zeros(1, dtype=torch.int32, device=next(iter(launches.values()))[0][0].device)
-    for (dtype, *_, stochastic, aligned, natural), tensors in launches.items():
-        spans = tuple((n, m, 0, n * m, momentum_cols(state, m))
+    for (dtype, *_, stochastic, aligned, natural, flag), tensors in launches.items():
+        spans = tuple((n, m, 0, n * m, momentum_cols(state, m), flag)
                       for (n, m), state in ((matrix_shape(w), st) for w, _, st, _ in tensors))
         _launch(tensors, spans, bad, dtype=dtype, stochastic=stochastic, aligned=aligned, normalize=True,
-                natural=natural)
+                natural=natural, flag=flag)
     for weight, copy in copies_back:
         weight.copy_(copy)
     return bad if any(cfg.zero_nonfinite for _, _, _, cfg in items) else None
@@ -405,9 +562,9 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
     if weight.numel():
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
-        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m),), bad, dtype=weight.dtype,
-                stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16, aligned=aligned,
-                normalize=False, natural=False)
+        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m, False),), bad,
+                dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
+                aligned=aligned, normalize=False, natural=False, flag=False)
     else:  # nothing held: no sums to contribute
         for key in (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
@@ -417,18 +574,19 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
 
 def _launch(
     tensors: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]],
-    spans: tuple[tuple[int, int, int, int, int], ...],
+    spans: tuple[tuple[int, int, int, int, int, bool], ...],
     bad: Tensor,
     dtype: torch.dtype,
     stochastic: bool,
     aligned: bool,
     normalize: bool,
     natural: bool,
+    flag: bool,
 ) -> None:
     cfg = tensors[0][3]
     has_m = cfg.beta1 is not None
     device = tensors[0][0].device
-    geometry, item_tensor, natural_items, partial_numel, words_numel = _layout(spans, has_m, device)
+    geometry, item_tensor, sums_items, partial_numel, words_numel = _layout(spans, has_m, device)
     table = []
     for (weight, g, state, _), geo in zip(tensors, geometry):
         row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
@@ -436,7 +594,9 @@ def _launch(
             signs, row_m, col_m = state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()
         else:
             signs, row_m, col_m = 0, row_v, col_v
-        table += [weight.data_ptr(), g.data_ptr(), signs, row_m, col_m, row_v, col_v, *geo]
+        flags, levels = (state[FLAG_M].data_ptr(), state[LEVELS_M].data_ptr()) if flag else (0, 0)
+        table += [weight.data_ptr(), g.data_ptr(), signs, row_m, col_m, row_v, col_v, *geo[:15], flags, levels,
+                  *geo[15:]]
     # Pinned, then an async copy: no stream sync, and the caching host allocator keeps the buffer
     # until the copy is done.
     assert len(table) == len(tensors) * META_COLUMNS.value, "the table's rows and the kernels' META_COLUMNS disagree"
@@ -444,24 +604,32 @@ def _launch(
     meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
     partial = torch.empty(partial_numel, dtype=torch.float32, device=device)
     words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
-    if natural:  # |M|'s sums in M's own view, before the step kernel rewrites the weights and signs
-        _natural_sums_kernel[(natural_items.numel(),)](
-            meta, natural_items, partial, cfg.beta1, *cfg.folded(), W_DTYPE=_TL_DTYPES[dtype],
-            ZERO_BAD=cfg.zero_nonfinite, BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS,
+    blocks = dict(BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS)
+    finish = dict(BLOCK=256, KB=16, COPY_BLOCK=4096, FLAG=flag, num_warps=8)
+    if natural or flag:  # |M|'s sums in M's own view, before the step kernel rewrites the weights and bits
+        _momentum_sums_kernel[(sums_items.numel(),)](
+            meta, sums_items, partial, cfg.beta1, *cfg.folded(), W_DTYPE=_TL_DTYPES[dtype],
+            ZERO_BAD=cfg.zero_nonfinite, FLAG=flag, **blocks,
         )
+    if flag:  # the new factors of |M| into the partial buffer: the step kernel encodes against them
+        _finish_kernel[(len(tensors), 1)](meta, partial, words, COPIERS=1, NORMALIZE=True, FIRST=1, MOMENTS=1,
+                                          TO_SCRATCH=True, **finish)
     _step_kernel[(item_tensor.numel(),)](
         meta, item_tensor, partial, words, bad,
         cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
         *cfg.folded(),
         int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
         W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic, ZERO_BAD=cfg.zero_nonfinite,
-        NATURAL=natural, BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS,
+        NATURAL=natural, FLAG=flag, **blocks,
     )
     copiers = 0 if aligned else COPY_PROGRAMS
-    _finish_kernel[(len(tensors), (2 if has_m else 1) + copiers)](
-        meta, partial, words, BLOCK=256, KB=16, COPIERS=max(copiers, 1), COPY_BLOCK=4096, NORMALIZE=normalize,
-        num_warps=8,
+    moments = 2 if has_m and not flag else 1  # the flag's M is finished already
+    _finish_kernel[(len(tensors), moments + copiers)](
+        meta, partial, words, COPIERS=max(copiers, 1), NORMALIZE=normalize, FIRST=0, MOMENTS=moments,
+        TO_SCRATCH=False, **finish,
     )
+    if flag:
+        _flag_finish_kernel[(len(tensors),)](meta, partial, BLOCK=256, num_warps=4)
 
 
 def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Optional[Tensor]:

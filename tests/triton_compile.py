@@ -1,0 +1,87 @@
+"""Compile every variant of the Triton kernels for a CUDA target, no GPU needed: Triton's own
+front end, LLVM and the ptxas it ships build each to a cubin, which catches what the CPU
+interpreter lets through (types of loop-carried values, constexpr branches, layouts). Prints each
+variant's registers and stack per thread (``cuobjdump --dump-resource-usage``; a stack beside 255
+registers means spills). Run directly: ``python tests/triton_compile.py [--arch 90]``."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import os
+import subprocess
+import tempfile
+from typing import Any
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from smmf.kernels import triton_gpu as kernels
+
+STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", words_ptr="*i32", bad_ptr="*i32",
+                 lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", gsign="fp32", shrink="fp32", l2="fp32", seed="i32")
+SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", beta1="fp32", gsign="fp32",
+                 shrink="fp32", l2="fp32")
+FINISH_ARGS = dict(meta_ptr="*i64", partial_ptr="*fp32", words_ptr="*i32")
+TILES = dict(BR=kernels.BLOCK_ROWS, BC=kernels.BLOCK_COLS, BAND=kernels.BAND_ROWS)
+
+
+def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
+    """(label, kernel, argument types, constexprs, warps) for each specialization a launch can make."""
+    out = []
+    for dtype, has_m, aligned, natural, flag in itertools.product(
+            (tl.float32, tl.bfloat16, tl.float16), (True, False), (True, False), (False, True), (False, True)):
+        if not has_m and (not aligned or natural or flag):
+            continue  # without a first moment there are no bits: one variant
+        consts = dict(W_DTYPE=dtype, HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=dtype == tl.bfloat16, ZERO_BAD=True,
+                      NATURAL=natural, FLAG=flag, **TILES)
+        label = f"step {dtype} m={has_m} aligned={aligned} natural={natural} flag={flag}"
+        out.append((label, kernels._step_kernel, STEP_ARGS, consts, kernels.WARPS))
+    for flag in (False, True):
+        consts = dict(W_DTYPE=tl.float32, ZERO_BAD=True, FLAG=flag, **TILES)
+        out.append((f"momentum sums flag={flag}", kernels._momentum_sums_kernel, SUMS_ARGS, consts, kernels.WARPS))
+    for first, moments, scratch, flag in ((0, 2, False, False), (0, 1, False, False), (1, 1, True, True),
+                                          (0, 1, False, True)):
+        consts = dict(BLOCK=256, KB=16, COPIERS=kernels.COPY_PROGRAMS, COPY_BLOCK=4096, NORMALIZE=True, FIRST=first,
+                      MOMENTS=moments, TO_SCRATCH=scratch, FLAG=flag)
+        out.append((f"finish moments {first}..{first + moments - 1} scratch={scratch} flag={flag}",
+                    kernels._finish_kernel, FINISH_ARGS, consts, 8))
+    out.append(("flag finish", kernels._flag_finish_kernel, dict(meta_ptr="*i64", partial_ptr="*fp32"),
+                dict(BLOCK=256), 4))
+    return out
+
+
+def resources(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    usage = next((line.split() for line in out.splitlines() if "REG:" in line), [])
+    return " ".join(field for field in usage if field.split(":")[0] in ("REG", "STACK", "SHARED"))
+
+
+def compile_all(arch: int = 90) -> list[tuple[str, str]]:
+    """Build every variant for ``sm_<arch>``; raises on the first that does not compile."""
+    report = []
+    for label, kernel, arg_types, consts, warps in variants():
+        names = inspect.signature(kernel.fn).parameters
+        signature = {name: "constexpr" if name in consts else arg_types[name] for name in names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        report.append((label, resources(compiled.asm["cubin"])))
+    return report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    for label, usage in compile_all(args.arch):
+        print(f"{label}: {usage}")
+    print("TRITON COMPILE OK")
