@@ -20,7 +20,7 @@ print("device", torch.cuda.get_device_name(), torch.cuda.get_device_properties(0
 PY
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv >> "$OUT/env.txt" 2>&1
 stage smoke
-timeout 90 python3 tests/triton_parity.py > "$OUT/smoke.log" 2>&1; echo "smoke rc=$?" | tee -a "$ERR"
+timeout 120 python3 tests/triton_parity.py > "$OUT/smoke.log" 2>&1; echo "smoke rc=$?" | tee -a "$ERR"
 stage "cuda tests"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_triton.py \
   tests/test_fused_kernels.py tests/test_checkpoint.py > "$OUT/tests_cuda.log" 2>&1; echo "cuda tests rc=$?" | tee -a "$ERR"

@@ -33,6 +33,9 @@ def test_auto_takes_triton_for_cuda_params_and_torch_for_the_rest() -> None:
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.complex64):
         assert step_kernel("auto", torch.zeros(8, 8, dtype=dtype, device="cuda"), {}) is triton_step_
+    flagged = {"flag_m": None}  # the magnitude flag: Triton takes it too, named or under auto
+    assert step_kernel("auto", torch.zeros(8, 8, device="cuda"), flagged) is triton_step_
+    assert step_kernel("triton", torch.zeros(8, 8, device="cuda"), flagged) is triton_step_
     fp64 = torch.zeros(8, 8, dtype=torch.float64, device="cuda")
     assert step_kernel("auto", fp64, {}) is torch_step_
     assert step_kernel("auto", torch.zeros(8, device="cuda"), {"exp_avg_sq": None}) is torch_step_
