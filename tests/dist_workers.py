@@ -167,9 +167,10 @@ def fsdp1_flat_worker(rank: int, world: int, port: int, out: str) -> None:
     finish()
 
 
-def fsdp2_peak_worker(rank: int, world: int, port: int, out: str) -> None:
+def fsdp2_peak_worker(rank: int, world: int, port: int, out: str, options: dict) -> None:
     """Extra resident peak of one FSDP2 step over the shard's bytes: the fused numba pass, then the
-    sharded torch path (run in a process whose large blocks are mmap-ed, so RSS follows them)."""
+    sharded torch path (run in a process whose large blocks are mmap-ed, so RSS follows them);
+    ``options`` are SMMF's (the code of M)."""
     import gc
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -187,7 +188,7 @@ def fsdp2_peak_worker(rank: int, world: int, port: int, out: str) -> None:
         weight = next(model.parameters())
         local = torch.randn(weight.to_local().shape)
         weight.grad = DTensor.from_local(local, mesh, weight.placements, shape=weight.shape, stride=weight.stride())
-        opt = SMMF(model.parameters(), backend=backend)
+        opt = SMMF(model.parameters(), backend=backend, **options)
         opt.step()  # state, and the kernel's compilation or cache load, first
         gc.collect()
         reset_peak_rss()

@@ -7,7 +7,8 @@ the same lines as :func:`smmf.functional._factored_update`, with padding kept at
 partial row and column sums over ranks with one all-reduce (and the magnitude flag's level sums with
 a second), so the factors, and therefore the update, are the single-device ones. The fused kernels
 (numba on CPU, Triton on CUDA for the paper's code) make the same pass over the shard in place
-(:func:`fused_sharded_step_`) and only the sums go through torch. Placement and checkpoint layout:
+(:func:`fused_sharded_step_`; the magnitude flag's two passes on numba, an all-reduce after each)
+and only the sums go through torch. Placement and checkpoint layout:
 :mod:`smmf.sharding`.
 """
 
@@ -100,8 +101,8 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
 
 def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
     """The step of a DTensor parameter on a fused kernel (numba on CPU, Triton on CUDA): one pass
-    over the shard, then the all-reduce of its row and column sums (the magnitude flag takes
-    :func:`sharded_step_`, and on CUDA so does the natural shape)."""
+    over the shard, then the all-reduce of its row and column sums (the magnitude flag: two, on
+    numba; on CUDA the natural shape and the flag take :func:`sharded_step_`)."""
     return _sharded_step(param, grad, state, cfg, fused=True)
 
 
@@ -144,6 +145,8 @@ def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return list(flat.split([s.numel() for s in sums]))
 
+    if fused and FLAG_M in state:
+        return _fused_flag_shard_step_(weight, local_grad, local_state, cfg, info.start, all_reduce)
     if fused:
         return _fused_shard_step_(weight, local_grad, local_state, cfg, info.start, all_reduce)
     band = Band.of_range(rows, cols, info.start, info.numel)
@@ -162,6 +165,34 @@ def _fused_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     sums = reduce([state[key] for pair in factors for key in pair])
     for (row_key, col_key), row_sums, col_sums in zip(factors, sums[::2], sums[1::2]):
         store_factors_(state, row_key, col_key, row_sums, col_sums)
+    return nonfinite
+
+
+def _fused_flag_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
+                            reduce: Reducer) -> Nonfinite:
+    """The magnitude flag on the numba kernel over a shard: its two passes
+    (:func:`smmf.kernels.numba_cpu.numba_flag_shard_pass_`), the shards' sums added up after each.
+    The first pass's |M| sums make the new factors, which the second encodes against; the second's
+    level sums make the levels; V's sums come from the pass that steps the weights (the first, or
+    the second with L2 decay)."""
+    from .kernels.numba_cpu import numba_flag_shard_pass_
+
+    work = weight if weight.is_contiguous() else weight.contiguous()
+    new_row_m, new_col_m = torch.empty_like(state[ROW_M]), torch.empty_like(state[COL_M])
+    level_sums = state[ROW_M].new_empty(4)
+    v_first = cfg.folded()[2] == 0  # no L2 decay: the first pass steps the weights
+    v_sums = [state[ROW_V], state[COL_V]]  # raw, after the pass that steps the weights
+    nonfinite = numba_flag_shard_pass_(work, grad, state, cfg, start, 0, new_row_m, new_col_m, level_sums)
+    first = reduce([new_row_m, new_col_m] + (v_sums if v_first else []))
+    store_factors_({ROW_M: new_row_m, COL_M: new_col_m}, ROW_M, COL_M, first[0], first[1])
+    nonfinite += numba_flag_shard_pass_(work, grad, state, cfg, start, 1, new_row_m, new_col_m, level_sums)
+    if work is not weight:
+        weight.copy_(work)
+    second = reduce([level_sums] + ([] if v_first else v_sums))
+    store_factors_(state, ROW_V, COL_V, *(first[2:] if v_first else second[1:]))
+    state[ROW_M].copy_(new_row_m)
+    state[COL_M].copy_(new_col_m)
+    state[LEVELS_M].copy_(flag_levels(second[0]))
     return nonfinite
 
 

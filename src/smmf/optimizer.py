@@ -219,7 +219,7 @@ class SMMF(Optimizer):
             Both options cut an early-training stall on language models; see the README's "Beyond
             the paper". Both fused kernels take both (the flag in two passes over the tensor).
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
-            params — FSDP2 shards included, except with the magnitude flag — each when installed; the
+            params — FSDP2 shards included — each when installed; the
             torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
             CPU, and CUDA shards of the opt-in codes), or one of ``"torch"``, ``"numba"``,
             ``"triton"``, which raises for a param it cannot take (default: ``"auto"``).

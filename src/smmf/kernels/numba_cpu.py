@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import numba
 import numpy as np
@@ -553,7 +553,7 @@ def _kernel_serial(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v
 
 @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
 def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-                    acc_m, acc_v, msums, fits, first_row, end_row, m, m_cols, phase, sr, zero_bad, scalars):
+                    acc_m, acc_v, msums, fits, first_row, end_row, m, m_cols, lo, hi, phase, sr, zero_bad, scalars):
     """Rows ``first_row .. end_row`` of V's n×m view under the magnitude flag (one thread), like
     :func:`_rows_pass`, in one of two passes (``phase`` 0, 1); this step's M is formed from the same
     inputs in both. Either pass may *update*: the weights in place, the rows' new V sums into
@@ -563,7 +563,8 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
     *encodes*: the sign and flag bits in place and the flag's level sums into ``fits``. Without L2
     decay the first pass updates, and the second reads only the gradient and the bits (a third of
     the bytes); with it, M needs the weights before the step, so the first pass only reads and the
-    second encodes and updates. ``scalars``: :func:`_scalars`."""
+    second encodes and updates. Only the elements ``lo .. hi`` are there, as in :func:`_rows_pass`.
+    ``scalars``: :func:`_scalars`."""
     lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, big, cap = scalars
     high, low = levels[0], levels[1]
     updates = (phase == 0) == (l2 == 0)
@@ -584,20 +585,23 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
     sign_bits, flag_bits = sign_lanes.view(np.uint8), flag_lanes.view(np.uint8)
     bad = 0
     for c0 in range(0, m, tile):
-        c1 = min(m, c0 + tile)
-        width = c1 - c0
         for i in range(first_row, end_row):
-            start = i * m + c0
+            start = max(i * m + c0, lo)  # the segment: elements start .. start + width, columns col0 ..
+            width = min(i * m + min(m, c0 + tile), hi) - start
+            if width <= 0:
+                continue
+            col0 = start - i * m
+            here = start - lo  # where the segment lies in w, g and the bits
             if updates and i + 1 < end_row:
-                _prefetch_lines(g, start + m, min(width, _PREFETCH))
-                _prefetch_lines(w, start + m, min(width, _PREFETCH))
+                _prefetch_lines(g, here + m, min(width, _PREFETCH))
+                _prefetch_lines(w, here + m, min(width, _PREFETCH))
             elif not updates and i + 2 < end_row:  # a lighter loop: fetch further ahead
-                _prefetch_lines(g, start + 2 * m, width)
+                _prefetch_lines(g, here + 2 * m, width)
                 if reads_w:
-                    _prefetch_lines(w, start + 2 * m, width)
-            gseg = _load(g, start, width, gbuf)
-            wseg = _load(w, start, width, wbuf) if reads_w else gseg
-            first, count, offset = _byte_span(start, width)
+                    _prefetch_lines(w, here + 2 * m, width)
+            gseg = _load(g, here, width, gbuf)
+            wseg = _load(w, here, width, wbuf) if reads_w else gseg
+            first, count, offset = _byte_span(here, width)
             _unpack_bytes(signs, first, count, sign_lanes)
             _unpack_bytes(flags, first, count, flag_lanes)
             sum_v = beta2 - beta2
@@ -611,7 +615,7 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
                 if encodes and updates:
                     run_v, run_bad = _row_flag_write(
                         wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], new_col_m[m_run],
-                        col_v[c0 + j0 : c0 + j1], acc_v[c0 + j0 : c0 + j1], high_coef, low_coef, new_row_m[m_row],
+                        col_v[col0 + j0 : col0 + j1], acc_v[col0 + j0 : col0 + j1], high_coef, low_coef, new_row_m[m_row],
                         row_v[i], fits, lr, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
                     sum_v += run_v
                     bad += run_bad
@@ -621,7 +625,7 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
                 elif updates:
                     run_m, run_v, run_bad = _row_flag_update(
                         wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], acc_m[m_run],
-                        col_v[c0 + j0 : c0 + j1], acc_v[c0 + j0 : c0 + j1], high_coef, low_coef, row_v[i],
+                        col_v[col0 + j0 : col0 + j1], acc_v[col0 + j0 : col0 + j1], high_coef, low_coef, row_v[i],
                         lr, rest1, beta2, rest2, eps, gsign, shrink, l2, zero_bad, big, cap)
                     msums[m_row - m_row0] += run_m
                     sum_v += run_v
@@ -636,7 +640,7 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
                 _pack_bytes(flags, first, count, flag_lanes)
             if updates:
                 sums_v[i - first_row] += sum_v
-                _store(w, start, wseg, sr)
+                _store(w, here, wseg, sr)
     if updates:
         row_v[first_row:end_row] = sums_v
     return bad
@@ -644,48 +648,71 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
 
 @numba.njit(inline="always", error_model="numpy", fastmath=_FASTMATH)
 def _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-               col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr, zero_bad, scalars):
+               col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, span, sr, zero_bad,
+               scalars):
     """One SMMF step of one n×m matrix with the magnitude flag, in place: :func:`_step`'s
     arguments, and ``flags`` (uint8, laid out as ``signs``), ``levels`` (work dtype, 2: high,
-    low), ``new_row_m``/``new_col_m`` (scratch, the size of ``row_m``/``col_m``) and ``fits``
-    (work dtype, blocks × 4: each block's level sums). Two passes (:func:`_flag_rows_pass`)."""
+    low), ``new_row_m``/``new_col_m`` (the size of ``row_m``/``col_m``) and ``fits`` (work dtype,
+    blocks × 4: each block's level sums). ``span`` = (row0, lo, hi, first pass, last pass + 1).
+
+    The whole matrix (0, 0, n·m, 0, 2): two passes (:func:`_flag_rows_pass`), the new factors of
+    |M| made between them in ``new_row_m``/``new_col_m``, then the factors and levels stored. An
+    FSDP2 shard's elements lo .. hi take one pass per call, for the caller to add up the shards'
+    sums between them: pass 0 leaves |M|'s raw row and column sums in ``new_row_m``/``new_col_m``;
+    pass 1 reads the new factors from them and leaves its blocks' level sums in ``fits``; the pass
+    that updates (0 without L2 decay, else 1) leaves V's raw sums in ``row_v``/``col_v`` (0 for
+    rows the shard lacks). Neither touches ``row_m``, ``col_m`` or ``levels``."""
+    row0, lo, hi, first_pass, end_pass = span
+    whole = first_pass == 0 and end_pass == 2
+    row_end = (hi + m - 1) // m
     l2 = scalars[8]
-    for phase in range(2):  # one call site: numba inlines a closure once per function
-        if phase == 1:  # the new factors of |M|, from the first pass's sums
-            _gather_m_rows(new_row_m, row_acc_m, 0, n, m, m_cols, rows_per_block)
+    for phase in range(first_pass, end_pass):  # one call site: numba inlines a closure once per function
+        if phase == 1 and whole:  # the new factors of |M|, from the first pass's sums
+            _gather_m_rows(new_row_m, row_acc_m, row0, row_end, m, m_cols, rows_per_block)
             _finish_cols(new_row_m, new_col_m, col_acc_m, True)
         for b in numba.prange(col_acc_v.shape[0]):
-            first_row = b * rows_per_block
+            first_row = row0 + b * rows_per_block
             bad = _flag_rows_pass(
                 w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v, col_acc_m[b],
-                col_acc_v[b], row_acc_m[b], fits[b], first_row, min(n, first_row + rows_per_block), m, m_cols,
-                phase, sr, zero_bad, scalars)
+                col_acc_v[b], row_acc_m[b], fits[b], first_row, min(row_end, first_row + rows_per_block), m, m_cols,
+                lo, hi, phase, sr, zero_bad, scalars)
             if (phase == 0) == (l2 == 0):  # the pass that updated
                 bad_counts[b] = bad
-    _finish_cols(row_v, col_v, col_acc_v, True)
-    row_m[:] = new_row_m
-    col_m[:] = new_col_m
-    for level in range(2):  # high from the flagged elements' sums, low from the others'
-        fit = levels[0] - levels[0]
-        energy = fit
-        for b in range(fits.shape[0]):
-            fit += fits[b, 2 * level]
-            energy += fits[b, 2 * level + 1]
-        levels[level] = fit / energy if energy > 0 else 0
+    if whole:
+        _finish_cols(row_v, col_v, col_acc_v, True)
+        row_m[:] = new_row_m
+        col_m[:] = new_col_m
+        for level in range(2):  # high from the flagged elements' sums, low from the others'
+            fit = levels[0] - levels[0]
+            energy = fit
+            for b in range(fits.shape[0]):
+                fit += fits[b, 2 * level]
+                energy += fits[b, 2 * level + 1]
+            levels[level] = fit / energy if energy > 0 else 0
+    else:
+        if first_pass == 0:
+            _gather_m_rows(new_row_m, row_acc_m, row0, row_end, m, m_cols, rows_per_block)
+            _finish_cols(new_row_m, new_col_m, col_acc_m, False)
+        if (first_pass == 0) == (l2 == 0):  # this pass updated: V's raw sums, 0 for other shards' rows
+            row_v[:row0] = 0
+            row_v[row_end:] = 0
+            _finish_cols(row_v, col_v, col_acc_v, False)
+
+
 @_cached_njit(parallel=True, **_KERNEL_OPTIONS)
 def _flag_kernel_parallel(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-                          col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr,
+                          col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, span, sr,
                           zero_bad, scalars):
-    _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-               col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr, zero_bad, scalars)
+    _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v, col_acc_m, col_acc_v,
+               row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, span, sr, zero_bad, scalars)
 
 
 @_cached_njit(**_KERNEL_OPTIONS)
 def _flag_kernel_serial(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-                        col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr,
+                        col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, span, sr,
                         zero_bad, scalars):
-    _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v,
-               col_acc_m, col_acc_v, row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, sr, zero_bad, scalars)
+    _flag_step(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, levels, row_v, col_v, col_acc_m, col_acc_v,
+               row_acc_m, fits, bad_counts, n, m, m_cols, rows_per_block, span, sr, zero_bad, scalars)
 
 
 @intrinsic
@@ -792,15 +819,32 @@ def numba_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: 
     factor vectors, this shard's sign bits). Updates the weight and sign bits; leaves in the four
     factor vectors this shard's raw row and column sums (0 for rows it lacks), for the caller to add
     up across shards and normalize (:func:`smmf.functional.store_factors_`). Returns the NaN/inf
-    gradient elements met. The paper's code and the natural shape only (not the magnitude flag)."""
+    gradient elements met. The paper's code and the natural shape (the magnitude flag:
+    :func:`numba_flag_shard_pass_`)."""
     rows, cols = state[ROW_V].numel(), state[COL_V].numel()
     return _launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel())
 
 
+def numba_flag_shard_pass_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
+                           flag_pass: int, new_row_m: Tensor, new_col_m: Tensor, level_sums: Tensor) -> int:
+    """One of the magnitude flag's two passes over an FSDP2 shard (:func:`numba_shard_step_`'s
+    arguments), for the caller to add up the shards' sums after each. Pass 0 leaves this shard's raw
+    row and column sums of |M| in ``new_row_m``/``new_col_m``; pass 1 encodes against the new
+    factors the caller put there (the sign and flag bits, in place) and leaves the shard's four level
+    sums (Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²) in ``level_sums``. The pass that updates the weights
+    (0, or 1 with L2 decay: M needs the weights before the step) leaves V's raw sums in
+    ``row_v``/``col_v``. ``row_m``, ``col_m`` and ``levels_m`` are the caller's to replace at the end.
+    Returns the NaN/inf gradient elements the updating pass met (0 from the other)."""
+    rows, cols = state[ROW_V].numel(), state[COL_V].numel()
+    return _launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel(),
+                   (flag_pass, new_row_m, new_col_m, level_sums))
+
+
 def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, rows: int, cols: int,
-            lo: int, hi: int) -> int:
+            lo: int, hi: int, flag_pass: Optional[tuple[int, Tensor, Tensor, Tensor]] = None) -> int:
     """Run the kernel over the elements ``lo .. hi`` of the rows × cols matrix that ``weight``
-    (contiguous) holds; the factors are normalized when that is the whole matrix."""
+    (contiguous) holds; the factors are normalized when that is the whole matrix. Under the
+    magnitude flag a shard takes one pass per call: ``flag_pass`` (:func:`numba_flag_shard_pass_`)."""
     if grad.dtype != weight.dtype:
         grad = grad.to(weight.dtype)
     grad = grad.contiguous()
@@ -821,14 +865,20 @@ def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig
     empty = np.empty(0, dtype=scalar)
     w, g = _as_numpy(weight), _as_numpy(grad)
     scalars = tuple(scalar(x) for x in _scalars(cfg, rows * cols, dtype))
+    fits = None
     if has_m and FLAG_M in state:
-        assert whole, "the magnitude flag's shards take the torch path"
         row_m, col_m = state[ROW_M].numpy(), state[COL_M].numpy()
         kernel = _FLAG_KERNELS[parallel]
-        args = (w, g, state[SIGN_M].numpy(), state[FLAG_M].numpy(), row_m, col_m, np.empty_like(row_m),
-                np.empty_like(col_m), state[LEVELS_M].numpy(), state[ROW_V].numpy(), state[COL_V].numpy(),
-                col_acc_m, col_acc_v, row_acc_m, np.empty((blocks, 4), dtype=scalar), bad_counts, rows, cols,
-                m_cols, rows_per_block, cfg.stochastic_rounding, cfg.zero_nonfinite, scalars)
+        if flag_pass is None:
+            assert whole, "a shard under the magnitude flag takes numba_flag_shard_pass_"
+            passes, new_row_m, new_col_m = (0, 2), np.empty_like(row_m), np.empty_like(col_m)
+        else:
+            passes, new_row_m, new_col_m = (flag_pass[0], flag_pass[0] + 1), flag_pass[1].numpy(), flag_pass[2].numpy()
+        fits = np.empty((blocks, 4), dtype=scalar)
+        args = (w, g, state[SIGN_M].numpy(), state[FLAG_M].numpy(), row_m, col_m, new_row_m, new_col_m,
+                state[LEVELS_M].numpy(), state[ROW_V].numpy(), state[COL_V].numpy(), col_acc_m, col_acc_v, row_acc_m,
+                fits, bad_counts, rows, cols, m_cols, rows_per_block, (row0, lo, hi, *passes),
+                cfg.stochastic_rounding, cfg.zero_nonfinite, scalars)
     else:
         kernel = _KERNELS[parallel]
         args = (w, g, state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
@@ -841,6 +891,8 @@ def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig
             kernel(*args)
     else:
         kernel(*args)
+    if flag_pass is not None and flag_pass[0] == 1:
+        flag_pass[3].copy_(torch.from_numpy(fits.sum(axis=0)))  # type: ignore[union-attr]
     return int(bad_counts.sum()) if cfg.zero_nonfinite else 0
 
 
