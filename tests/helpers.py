@@ -88,10 +88,10 @@ def step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict, cfg, c
     return torch.cat(pieces)
 
 
-def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float) -> None:
+def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, momentum_shape: str = "square") -> None:
     """:func:`step_in_pieces` equals the torch path's step of the whole matrix, over 3 steps from
     identical inputs: matrices whose width is a multiple of 8 and not, cut at a sign byte, mid-byte
-    and mid-row, with an empty piece; with and without the first moment."""
+    and mid-row, with an empty piece; with and without the first moment (``momentum_shape``: M's view)."""
     from smmf.functional import StepConfig, torch_step_
     from smmf.state import init_state, matrix_shape
 
@@ -99,7 +99,7 @@ def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float) 
     for shape in [(48, 64), (31, 9), (257, 33), (300, 1000)]:
         for beta in (0.9, None):
             p = torch.randn(shape, generator=gen).to(device, dtype)
-            state = init_state(p, {"beta": beta, "vector_reshape": True})
+            state = init_state(p, {"beta": beta, "vector_reshape": True, "momentum_shape": momentum_shape})
             numel, cols = p.numel(), matrix_shape(p)[1]
             cuts = [0, 8 * (numel // 24), numel // 2 + 1, numel // 2 + 1, numel - cols // 2, numel]
             for step in range(1, 4):

@@ -201,14 +201,15 @@ def test_a_kernel_that_numba_cannot_cache_is_compiled_instead() -> None:
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+@pytest.mark.parametrize("momentum_shape", ["square", "natural"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-def test_numba_shard_passes_add_up_to_the_whole_step(dtype: torch.dtype) -> None:
+def test_numba_shard_passes_add_up_to_the_whole_step(dtype: torch.dtype, momentum_shape: str) -> None:
     """The FSDP2 shard pass on pieces of a matrix (partial rows, mid-byte starts, an empty piece),
     sums added up across pieces, equals the step of the whole matrix."""
     from helpers import pieces_match_whole
     from smmf.kernels.numba_cpu import numba_shard_step_
 
-    pieces_match_whole(numba_shard_step_, "cpu", dtype, 1e-12 if dtype == torch.float64 else 1e-5)
+    pieces_match_whole(numba_shard_step_, "cpu", dtype, 1e-12 if dtype == torch.float64 else 1e-5, momentum_shape)
 
 
 def _threads_as_ranks(pieces: int):

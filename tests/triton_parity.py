@@ -127,14 +127,17 @@ def run_batched(device: str) -> None:
 
 def run_shards(device: str) -> None:
     """FSDP2 shards on the Triton kernel: pieces of a matrix (partial rows, starts on and off a sign
-    byte, an empty piece), their raw sums added up, equal the step of the whole matrix."""
+    byte, an empty piece), their raw sums added up, equal the step of the whole matrix; M in V's
+    square view and in its natural one."""
     from helpers import pieces_match_whole
     from smmf.kernels.triton_gpu import triton_shard_step_
 
     dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:
-        pieces_match_whole(triton_shard_step_, device, dtype, 1e-5 if dtype == torch.float32 else 1e-2)
-        print(f"{device} {dtype} shard passes: OK")
+        for momentum_shape in ("square", "natural"):
+            pieces_match_whole(triton_shard_step_, device, dtype, 1e-5 if dtype == torch.float32 else 1e-2,
+                               momentum_shape)
+            print(f"{device} {dtype} M {momentum_shape}: shard passes OK")
 
 
 if __name__ == "__main__":

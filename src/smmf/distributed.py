@@ -6,7 +6,7 @@ of it under ``momentum_shape="natural"``). :func:`sharded_step_` runs the torch 
 the same lines as :func:`smmf.functional._factored_update`, with padding kept at zero — and sums the
 partial row and column sums over ranks with one all-reduce (and the magnitude flag's level sums with
 a second), so the factors, and therefore the update, are the single-device ones. The fused kernels
-(numba on CPU, Triton on CUDA for the paper's code) make the same pass over the shard in place
+(numba on CPU, Triton on CUDA but for the magnitude flag) make the same pass over the shard in place
 (:func:`fused_sharded_step_`; the magnitude flag's two passes on numba, an all-reduce after each)
 and only the sums go through torch. Placement and checkpoint layout:
 :mod:`smmf.sharding`.
@@ -102,7 +102,7 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
 def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
     """The step of a DTensor parameter on a fused kernel (numba on CPU, Triton on CUDA): one pass
     over the shard, then the all-reduce of its row and column sums (the magnitude flag: two, on
-    numba; on CUDA the natural shape and the flag take :func:`sharded_step_`)."""
+    numba; on CUDA the flag takes :func:`sharded_step_`)."""
     return _sharded_step(param, grad, state, cfg, fused=True)
 
 

@@ -48,8 +48,9 @@ alignment, or code of M) differs go to separate launches.
 
 An FSDP2 shard (:func:`triton_shard_step_`) is one launch over its rows; the finish kernel then
 leaves the raw row and column sums in the factor vectors (rows the shard lacks get 0), for the caller
-to add up across ranks and normalize, as the numba kernel's shards do. (Shards with the natural
-shape or the flag take the sharded torch path.)
+to add up across ranks and normalize, as the numba kernel's shards do; with the natural shape the
+momentum sums kernel runs over the shard's rows of M's view first. (Shards with the magnitude flag
+take the sharded torch path: its two passes need an all-reduce between them.)
 """
 
 from __future__ import annotations
@@ -296,9 +297,9 @@ def _momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, 
                           BAND: tl.constexpr):
     """|M|'s partial row and column sums in M's own view (``momentum_shape="natural"``, and every
     view under the magnitude flag, whose encoding needs the new factors first), one work item per
-    (band, column tile) of it, from the state before the step: this step's M formed as
-    :func:`_step_kernel` forms it, which then only reads M's factors. Runs first: the step kernel
-    rewrites the weights and the sign (and flag) bits."""
+    (band, column tile) of the rows that hold elements lo .. hi (all, or an FSDP2 shard's), from the
+    state before the step: this step's M formed as :func:`_step_kernel` forms it, which then only
+    reads M's factors. Runs first: the step kernel rewrites the weights and the sign (and flag) bits."""
     item = tl.program_id(0)
     t = tl.load(item_tensor_ptr + item)
     row = meta_ptr + t.to(tl.int64) * META_COLUMNS
@@ -323,20 +324,23 @@ def _momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, 
         high = 0.0
         low = 0.0
     n = tl.load(row + 7)
+    held_lo = tl.load(row + 14)
+    held_hi = tl.load(row + 15)
     cap = 3.4028234663852886e38 / (2.0 * (n * tl.load(row + 8)).to(tl.float32))
     b32 = b.to(tl.int32)
     cols = (tile * BC).to(tl.int32) + tl.arange(0, BC)[None, :]
     col_ok = cols < b32
     cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
     acc = tl.zeros((BR, BC), dtype=tl.float32)
-    first_row = band * BAND
-    last_row = tl.minimum(first_row + BAND, a_rows)
+    first_row = held_lo // b + band * BAND  # the bands cover the rows that hold elements lo .. hi
+    last_row = tl.minimum(first_row + BAND, (held_hi + b - 1) // b)
     for r0 in range(first_row, last_row, BR):
         rows = r0 + tl.arange(0, BR)
         row_ok = rows < last_row
-        ok = row_ok[:, None] & col_ok
-        base = r0 * b
+        start0 = r0 * b  # the tile's first element; w, g and the bits hold elements from lo on
+        base = start0 - held_lo
         offs = tl.arange(0, BR)[:, None] * b32 + cols
+        ok = row_ok[:, None] & col_ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
         g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
         if ZERO_BAD:
             g = tl.where(tl.abs(g) <= 3.4028234663852886e38, g, 0.0)
@@ -484,7 +488,8 @@ def _layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool
         tiles, bands = triton.cdiv(m, BLOCK_COLS), triton.cdiv(triton.cdiv(hi, m) - lo // m, BAND_ROWS)
         m_rows = n * m // m_cols
         sums_first = m_cols != m or flag  # |M|'s sums by _momentum_sums_kernel, in M's view
-        m_tiles, m_bands = (triton.cdiv(m_cols, BLOCK_COLS), triton.cdiv(m_rows, BAND_ROWS)) if sums_first else (tiles, bands)
+        held_m_rows = triton.cdiv(hi, m_cols) - lo // m_cols
+        m_tiles, m_bands = (triton.cdiv(m_cols, BLOCK_COLS), triton.cdiv(held_m_rows, BAND_ROWS)) if sums_first else (tiles, bands)
         m_partial_at = partial_at + tiles * n + bands * m
         new_m_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
         level_sums_at = new_m_at + (m_rows + m_cols if flag else 0)
@@ -555,16 +560,17 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     and ``grad`` hold the elements ``start ..`` of the parameter's row-major flattening, ``state``
     the rank-local state (whole factor vectors, this shard's sign bits). Updates the weight and
     sign bits; leaves this shard's raw row and column sums in the four factor vectors (0 for rows
-    it lacks), for the caller to add up across shards and normalize. The paper's code only.
-    Returns what :func:`triton_steps_` returns."""
+    it lacks), for the caller to add up across shards and normalize. The paper's code and the natural
+    shape (not the magnitude flag). Returns what :func:`triton_steps_` returns."""
     n, m = state[ROW_V].numel(), state[COL_V].numel()
     grad = grad.to(weight.dtype).contiguous()
     bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
     if weight.numel():
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
-        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m, False),), bad,
+        m_cols = momentum_cols(state, m)
+        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m_cols, False),), bad,
                 dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
-                aligned=aligned, normalize=False, natural=False, flag=False)
+                aligned=aligned, normalize=False, natural=m_cols != m, flag=False)
     else:  # nothing held: no sums to contribute
         for key in (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
