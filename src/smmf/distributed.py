@@ -6,8 +6,8 @@ of it under ``momentum_shape="natural"``). :func:`sharded_step_` runs the torch 
 the same lines as :func:`smmf.functional._factored_update`, with padding kept at zero — and sums the
 partial row and column sums over ranks with one all-reduce (and the magnitude flag's level sums with
 a second), so the factors, and therefore the update, are the single-device ones. The fused kernels
-(numba on CPU, Triton on CUDA but for the magnitude flag) make the same pass over the shard in place
-(:func:`fused_sharded_step_`; the magnitude flag's two passes on numba, an all-reduce after each)
+(numba on CPU, Triton on CUDA) make the same pass over the shard in place (:func:`fused_sharded_step_`;
+the magnitude flag's two passes, an all-reduce after each)
 and only the sums go through torch. Placement and checkpoint layout:
 :mod:`smmf.sharding`.
 """
@@ -101,8 +101,8 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
 
 def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
     """The step of a DTensor parameter on a fused kernel (numba on CPU, Triton on CUDA): one pass
-    over the shard, then the all-reduce of its row and column sums (the magnitude flag: two, on
-    numba; on CUDA the flag takes :func:`sharded_step_`)."""
+    over the shard, then the all-reduce of its row and column sums (the magnitude flag: two passes
+    and two all-reduces)."""
     return _sharded_step(param, grad, state, cfg, fused=True)
 
 
@@ -170,22 +170,25 @@ def _fused_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
 
 def _fused_flag_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
                             reduce: Reducer) -> Nonfinite:
-    """The magnitude flag on the numba kernel over a shard: its two passes
-    (:func:`smmf.kernels.numba_cpu.numba_flag_shard_pass_`), the shards' sums added up after each.
-    The first pass's |M| sums make the new factors, which the second encodes against; the second's
-    level sums make the levels; V's sums come from the pass that steps the weights (the first, or
-    the second with L2 decay)."""
-    from .kernels.numba_cpu import numba_flag_shard_pass_
+    """The magnitude flag on a fused kernel over a shard: its two passes
+    (:func:`smmf.kernels.numba_cpu.numba_flag_shard_pass_`, :func:`smmf.kernels.triton_gpu.triton_flag_shard_pass_`),
+    the shards' sums added up after each. The first pass's |M| sums make the new factors, which the
+    second encodes against; the second's level sums make the levels; V's sums come from the pass
+    that steps the weights (numba: the first, or the second with L2 decay; Triton: the second)."""
+    if weight.is_cuda:
+        from .kernels.triton_gpu import triton_flag_shard_pass_ as flag_pass
+    else:
+        from .kernels.numba_cpu import numba_flag_shard_pass_ as flag_pass
 
     work = weight if weight.is_contiguous() else weight.contiguous()
     new_row_m, new_col_m = torch.empty_like(state[ROW_M]), torch.empty_like(state[COL_M])
     level_sums = state[ROW_M].new_empty(4)
-    v_first = cfg.folded()[2] == 0  # no L2 decay: the first pass steps the weights
+    v_first = not weight.is_cuda and cfg.folded()[2] == 0  # numba without L2 decay: the first pass steps
     v_sums = [state[ROW_V], state[COL_V]]  # raw, after the pass that steps the weights
-    nonfinite = numba_flag_shard_pass_(work, grad, state, cfg, start, 0, new_row_m, new_col_m, level_sums)
+    found = [flag_pass(work, grad, state, cfg, start, 0, new_row_m, new_col_m, level_sums)]
     first = reduce([new_row_m, new_col_m] + (v_sums if v_first else []))
     store_factors_({ROW_M: new_row_m, COL_M: new_col_m}, ROW_M, COL_M, first[0], first[1])
-    nonfinite += numba_flag_shard_pass_(work, grad, state, cfg, start, 1, new_row_m, new_col_m, level_sums)
+    found.append(flag_pass(work, grad, state, cfg, start, 1, new_row_m, new_col_m, level_sums))
     if work is not weight:
         weight.copy_(work)
     second = reduce([level_sums] + ([] if v_first else v_sums))
@@ -193,7 +196,8 @@ def _fused_flag_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any],
     state[ROW_M].copy_(new_row_m)
     state[COL_M].copy_(new_col_m)
     state[LEVELS_M].copy_(flag_levels(second[0]))
-    return nonfinite
+    counted = [n for n in found if n is not None]
+    return sum(counted[1:], counted[0]) if counted else None
 
 
 def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Reducer) -> Tensor:

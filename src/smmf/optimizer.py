@@ -221,7 +221,7 @@ class SMMF(Optimizer):
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
             params — FSDP2 shards included — each when installed; the
             torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
-            CPU, and CUDA shards with the magnitude flag), or one of ``"torch"``, ``"numba"``,
+            CPU), or one of ``"torch"``, ``"numba"``,
             ``"triton"``, which raises for a param it cannot take (default: ``"auto"``).
 
     .. note::

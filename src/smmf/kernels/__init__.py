@@ -63,8 +63,8 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     and the numba kernel for CPU ones (fp32, fp64, bf16) where installed. The torch path takes the
     rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU. Both
     kernels take every code of M (:func:`smmf.state.momentum_code`). DTensor (FSDP2) parameters take
-    the same kernels over their shard (numba: every code; Triton: all but the magnitude flag, real
-    dtypes), the rest the sharded torch path. A named backend that cannot take ``param`` raises ``RuntimeError``.
+    the same kernels over their shard (every code; Triton: real dtypes), the rest the sharded torch
+    path. A named backend that cannot take ``param`` raises ``RuntimeError``.
     """
     code = momentum_code(state)
     if is_dtensor(param):
@@ -72,8 +72,7 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
 
         shard_info(param)  # unsupported placements fail here, before any update
         fused = (backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba")) or (
-            backend in ("auto", "triton") and _triton_covers(param) and not param.is_complex() and code != "flag"
-            and _has_module("triton"))
+            backend in ("auto", "triton") and _triton_covers(param) and not param.is_complex() and _has_module("triton"))
         if backend not in ("auto", "torch") and not fused:
             raise RuntimeError(f"backend {backend!r} cannot update this DTensor parameter ({param.dtype} on "
                                f"{param.device}, momentum code {code}); use backend='auto' or 'torch'")

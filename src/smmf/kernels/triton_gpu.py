@@ -49,8 +49,9 @@ alignment, or code of M) differs go to separate launches.
 An FSDP2 shard (:func:`triton_shard_step_`) is one launch over its rows; the finish kernel then
 leaves the raw row and column sums in the factor vectors (rows the shard lacks get 0), for the caller
 to add up across ranks and normalize, as the numba kernel's shards do; with the natural shape the
-momentum sums kernel runs over the shard's rows of M's view first. (Shards with the magnitude flag
-take the sharded torch path: its two passes need an all-reduce between them.)
+momentum sums kernel runs over the shard's rows of M's view first. Under the magnitude flag a shard
+takes two calls (:func:`triton_flag_shard_pass_`), for the caller to add up the shards' sums of |M|
+between them: the sums kernel, then the step kernel against the new factors.
 """
 
 from __future__ import annotations
@@ -561,21 +562,45 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     the rank-local state (whole factor vectors, this shard's sign bits). Updates the weight and
     sign bits; leaves this shard's raw row and column sums in the four factor vectors (0 for rows
     it lacks), for the caller to add up across shards and normalize. The paper's code and the natural
-    shape (not the magnitude flag). Returns what :func:`triton_steps_` returns."""
+    shape (the magnitude flag: :func:`triton_flag_shard_pass_`). Returns what :func:`triton_steps_`
+    returns."""
+    return _shard_launch(weight, grad, state, cfg, start, None)
+
+
+def triton_flag_shard_pass_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
+                            flag_pass: int, new_row_m: Tensor, new_col_m: Tensor,
+                            level_sums: Tensor) -> Optional[Tensor]:
+    """One of the magnitude flag's two passes over an FSDP2 shard, the contract of
+    :func:`smmf.kernels.numba_cpu.numba_flag_shard_pass_`, except that the second pass always steps
+    the weights (the first, :func:`_momentum_sums_kernel`, only reads): pass 0 leaves |M|'s raw sums
+    in ``new_row_m``/``new_col_m``; pass 1 encodes against the new factors the caller put there, steps
+    the weights, leaves V's raw sums in ``row_v``/``col_v`` and the four level sums in ``level_sums``.
+    Returns what :func:`triton_steps_` returns (from pass 1; None from pass 0)."""
+    return _shard_launch(weight, grad, state, cfg, start, (flag_pass, new_row_m, new_col_m, level_sums))
+
+
+def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
+                  flag_pass: Optional[tuple[int, Tensor, Tensor, Tensor]]) -> Optional[Tensor]:
     n, m = state[ROW_V].numel(), state[COL_V].numel()
     grad = grad.to(weight.dtype).contiguous()
     bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
     if weight.numel():
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
         m_cols = momentum_cols(state, m)
-        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m_cols, False),), bad,
+        flag = flag_pass is not None
+        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m_cols, flag),), bad,
                 dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
-                aligned=aligned, normalize=False, natural=m_cols != m, flag=False)
-    else:  # nothing held: no sums to contribute
-        for key in (ROW_V, COL_V, ROW_M, COL_M):
+                aligned=aligned, normalize=False, natural=m_cols != m, flag=flag, flag_pass=flag_pass)
+    elif flag_pass is None or flag_pass[0] == 1:  # nothing held: no sums to contribute
+        for key in (ROW_V, COL_V) if flag_pass else (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
                 state[key].zero_()
-    return bad if cfg.zero_nonfinite else None
+        if flag_pass:
+            flag_pass[3].zero_()
+    else:
+        flag_pass[1].zero_()
+        flag_pass[2].zero_()
+    return bad if cfg.zero_nonfinite and (flag_pass is None or flag_pass[0] == 1) else None
 
 
 def _launch(
@@ -588,7 +613,10 @@ def _launch(
     normalize: bool,
     natural: bool,
     flag: bool,
+    flag_pass: Optional[tuple[int, Tensor, Tensor, Tensor]] = None,
 ) -> None:
+    """The launches of one group of tensors (module docstring). ``flag_pass``: one FSDP2 shard under the
+    magnitude flag, one of its two passes (:func:`triton_flag_shard_pass_`)."""
     cfg = tensors[0][3]
     has_m = cfg.beta1 is not None
     device = tensors[0][0].device
@@ -612,14 +640,24 @@ def _launch(
     words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
     blocks = dict(BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS)
     finish = dict(BLOCK=256, KB=16, COPY_BLOCK=4096, FLAG=flag, num_warps=8)
-    if natural or flag:  # |M|'s sums in M's own view, before the step kernel rewrites the weights and bits
+    shard_pass = None if flag_pass is None else flag_pass[0]
+    if (natural or flag) and shard_pass != 1:  # |M|'s sums in M's own view, before the step kernel's writes
         _momentum_sums_kernel[(sums_items.numel(),)](
             meta, sums_items, partial, cfg.beta1, *cfg.folded(), W_DTYPE=_TL_DTYPES[dtype],
             ZERO_BAD=cfg.zero_nonfinite, FLAG=flag, **blocks,
         )
-    if flag:  # the new factors of |M| into the partial buffer: the step kernel encodes against them
-        _finish_kernel[(len(tensors), 1)](meta, partial, words, COPIERS=1, NORMALIZE=True, FIRST=1, MOMENTS=1,
-                                          TO_SCRATCH=True, **finish)
+    if flag:  # the new factors of |M| in the partial buffer: the step kernel encodes against them
+        new_m, m_rows, m_cols = geometry[0][15], geometry[0][10], geometry[0][9]  # (one tensor when a shard)
+        if flag_pass is not None and shard_pass == 1:  # a shard's: the caller's, from every shard's sums
+            partial[new_m : new_m + m_rows].copy_(flag_pass[1])
+            partial[new_m + m_rows : new_m + m_rows + m_cols].copy_(flag_pass[2])
+        else:
+            _finish_kernel[(len(tensors), 1)](meta, partial, words, COPIERS=1, NORMALIZE=normalize, FIRST=1,
+                                              MOMENTS=1, TO_SCRATCH=True, **finish)
+        if flag_pass is not None and shard_pass == 0:  # this shard's raw sums, for the caller to add up
+            flag_pass[1].copy_(partial[new_m : new_m + m_rows])
+            flag_pass[2].copy_(partial[new_m + m_rows : new_m + m_rows + m_cols])
+            return
     _step_kernel[(item_tensor.numel(),)](
         meta, item_tensor, partial, words, bad,
         cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
@@ -634,7 +672,10 @@ def _launch(
         meta, partial, words, COPIERS=max(copiers, 1), NORMALIZE=normalize, FIRST=0, MOMENTS=moments,
         TO_SCRATCH=False, **finish,
     )
-    if flag:
+    if flag_pass is not None:  # a shard's second pass: its work items' level sums, added in a fixed order
+        items, at = geometry[0][2] * geometry[0][3], geometry[0][16]
+        flag_pass[3].copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
+    elif flag:
         _flag_finish_kernel[(len(tensors),)](meta, partial, BLOCK=256, num_warps=4)
 
 
