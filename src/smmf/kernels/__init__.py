@@ -66,7 +66,6 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     the same kernels over their shard (every code; Triton: real dtypes), the rest the sharded torch
     path. A named backend that cannot take ``param`` raises ``RuntimeError``.
     """
-    code = momentum_code(state)
     if is_dtensor(param):
         from ..distributed import fused_sharded_step_, sharded_step_
 
@@ -75,7 +74,7 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
             backend in ("auto", "triton") and _triton_covers(param) and not param.is_complex() and _has_module("triton"))
         if backend not in ("auto", "torch") and not fused:
             raise RuntimeError(f"backend {backend!r} cannot update this DTensor parameter ({param.dtype} on "
-                               f"{param.device}, momentum code {code}); use backend='auto' or 'torch'")
+                               f"{param.device}, momentum code {momentum_code(state)}); use backend='auto' or 'torch'")
         return fused_sharded_step_ if fused else sharded_step_
     if backend == "torch" or EXP_AVG_SQ in state or (param.is_complex() and not param.is_cuda):
         return torch_step_
