@@ -111,6 +111,18 @@ def _or_bits(words, bits, rows, tile, m, held_lo, row_ok, BR: tl.constexpr, BC: 
 
 
 @triton.jit
+def _work_item(meta_ptr, item_tensor_ptr, TILES: tl.constexpr, FIRST_ITEM: tl.constexpr):
+    """This program's work item: its tensor (index and row of the table), and its index, band and
+    column tile among that tensor's ``tiles`` (table columns TILES and FIRST_ITEM: V's view, or M's)."""
+    item = tl.program_id(0)
+    t = tl.load(item_tensor_ptr + item)
+    row = meta_ptr + t.to(tl.int64) * META_COLUMNS
+    tiles = tl.load(row + TILES)
+    local = item - tl.load(row + FIRST_ITEM)
+    return t, row, tiles, local, local // tiles, local % tiles
+
+
+@triton.jit
 def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
                  seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
                  ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr,
@@ -132,17 +144,11 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     sums kernel made |M|'s sums and this kernel only reads M's factors."""
     tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
     BB: tl.constexpr = BC // 8
-    item = tl.program_id(0)
-    t = tl.load(item_tensor_ptr + item)
-    row = meta_ptr + t.to(tl.int64) * META_COLUMNS
+    t, row, tiles, local, band, tile = _work_item(meta_ptr, item_tensor_ptr, 9, 11)
     n = tl.load(row + 7)
     m = tl.load(row + 8)
-    tiles = tl.load(row + 9)
     held_lo = tl.load(row + 14)
     held_hi = tl.load(row + 15)
-    local = item - tl.load(row + 11)
-    band = local // tiles
-    tile = local % tiles
     w_ptr = tl.load(row + 0).to(tl.pointer_type(W_DTYPE))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(W_DTYPE))
     row_v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
@@ -301,15 +307,9 @@ def _momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, 
     (band, column tile) of the rows that hold elements lo .. hi (all, or an FSDP2 shard's), from the
     state before the step: this step's M formed as :func:`_step_kernel` forms it, which then only
     reads M's factors. Runs first: the step kernel rewrites the weights and the sign (and flag) bits."""
-    item = tl.program_id(0)
-    t = tl.load(item_tensor_ptr + item)
-    row = meta_ptr + t.to(tl.int64) * META_COLUMNS
+    _, row, tiles, _, band, tile = _work_item(meta_ptr, item_tensor_ptr, 18, 20)
     b = tl.load(row + 16)  # M's columns
     a_rows = tl.load(row + 17)
-    tiles = tl.load(row + 18)
-    local = item - tl.load(row + 20)
-    band = local // tiles
-    tile = local % tiles
     w_ptr = tl.load(row + 0).to(tl.pointer_type(W_DTYPE))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(W_DTYPE))
     signs_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
