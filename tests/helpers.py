@@ -58,6 +58,25 @@ def state_tensors_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, Tensor))
 
 
+def piece_cuts(numel: int, cols: int) -> list[int]:
+    """Where the test's shards of an n×``cols`` matrix start and end: on a sign byte, mid-byte and
+    mid-row, with an empty piece."""
+    return [0, 8 * (numel // 24), numel // 2 + 1, numel // 2 + 1, numel - cols // 2, numel]
+
+
+def piece_state(state: dict, lo: int, hi: int) -> dict:
+    """The state a shard holding elements ``lo .. hi`` keeps: the factors whole, its own sign (and
+    flag) bits."""
+    from smmf.matrix import pack_signs
+
+    numel = state["row_v"].numel() * state["col_v"].numel()  # V's n×m view: every element
+    local = {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()}
+    for key in ("sign_m", "flag_m"):
+        if key in state:
+            local[key] = pack_signs(unpack_signs(state[key], numel)[lo:hi])
+    return local
+
+
 def step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict, cfg, cuts: list[int]) -> Tensor:
     """One step of a matrix's weight taken as FSDP2 shards take it, in one process: each piece
     ``cuts[i] .. cuts[i + 1]`` of the row-major flattening goes through ``shard_step`` (a kernel's
@@ -67,23 +86,20 @@ def step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict, cfg, c
     from smmf.functional import store_factors_
     from smmf.matrix import pack_signs
 
-    numel = weight.numel()
-    signs = unpack_signs(state["sign_m"], numel) if "sign_m" in state else None
+    has_m = "sign_m" in state
     pieces, bits, sums = [], [], []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
-        local = {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()}
-        if signs is not None:
-            local["sign_m"] = pack_signs(signs[lo:hi])
+        local = piece_state(state, lo, hi)
         piece = weight.reshape(-1)[lo:hi].clone()
         shard_step(piece, grad.reshape(-1)[lo:hi].clone(), local, cfg, lo)
         pieces.append(piece)
-        if signs is not None:
+        if has_m:
             bits.append(unpack_signs(local["sign_m"], hi - lo))
         sums.append({key: local[key] for key in ("row_v", "col_v", "row_m", "col_m") if key in state})
     for row_key, col_key in (("row_v", "col_v"), ("row_m", "col_m")):
         if row_key in state:
             store_factors_(state, row_key, col_key, sum(s[row_key] for s in sums), sum(s[col_key] for s in sums))
-    if signs is not None:
+    if has_m:
         state["sign_m"] = pack_signs(torch.cat(bits))
     return torch.cat(pieces)
 
@@ -101,7 +117,7 @@ def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, 
             p = torch.randn(shape, generator=gen).to(device, dtype)
             state = init_state(p, {"beta": beta, "vector_reshape": True, "momentum_shape": momentum_shape})
             numel, cols = p.numel(), matrix_shape(p)[1]
-            cuts = [0, 8 * (numel // 24), numel // 2 + 1, numel // 2 + 1, numel - cols // 2, numel]
+            cuts = piece_cuts(numel, cols)
             for step in range(1, 4):
                 cfg = StepConfig(lr=1e-2, beta1=None if beta is None else 0.9 * 0.999 ** (step - 1), beta2=0.9,
                                  eps=1e-8, weight_decay=0.1, decoupled_weight_decay=step != 2, maximize=step == 3,

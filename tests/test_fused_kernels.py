@@ -243,9 +243,10 @@ def test_numba_flag_shard_passes_add_up_to_the_whole_step(l2: bool, momentum_sha
     the second pass steps the weights (M needs them before the step)."""
     import threading
 
+    from helpers import piece_cuts, piece_state
     from smmf.distributed import _fused_flag_shard_step_
     from smmf.functional import StepConfig
-    from smmf.matrix import pack_signs, unpack_signs
+    from smmf.matrix import unpack_signs
     from smmf.state import init_state, matrix_shape
 
     gen = torch.Generator().manual_seed(5)
@@ -253,19 +254,17 @@ def test_numba_flag_shard_passes_add_up_to_the_whole_step(l2: bool, momentum_sha
         p = torch.randn(shape, generator=gen, dtype=torch.float64)
         state = init_state(p, {"beta": 0.9, "vector_reshape": True, "magnitude_bits": 1, "momentum_shape": momentum_shape})
         numel, cols = p.numel(), matrix_shape(p)[1]
-        cuts = [0, 8 * (numel // 24), numel // 2 + 1, numel // 2 + 1, numel - cols // 2, numel]
+        cuts = piece_cuts(numel, cols)
         for step in range(1, 4):
             cfg = StepConfig(lr=1e-2, beta1=0.9 * 0.999 ** (step - 1), beta2=0.9, eps=1e-8, weight_decay=0.01,
                              decoupled_weight_decay=not l2, maximize=step == 3, stochastic_rounding=False)
             g = torch.randn(shape, generator=gen, dtype=torch.float64)
             whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
             torch_step_(whole, g, whole_state, cfg)
-            bits = {key: unpack_signs(state[key], numel) for key in ("sign_m", "flag_m")}
             reduce_for = _threads_as_ranks(len(cuts) - 1)
             ranks, errors = [], []
             for i, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
-                local = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-                local.update({key: pack_signs(b[lo:hi]) for key, b in bits.items()})
+                local = piece_state(state, lo, hi)
                 piece = p.reshape(-1)[lo:hi].clone()
                 ranks.append((piece, local, lo, hi))
 

@@ -149,6 +149,7 @@ def run_flag_shards(device: str) -> None:
     """The magnitude flag's two shard passes on the Triton kernel: pieces of a matrix (partial rows,
     on and off a sign byte, an empty piece), their sums added up after each pass as the all-reduces
     do, equal the torch path's step of the whole matrix; M square and natural, one step with L2."""
+    from helpers import piece_cuts, piece_state
     from smmf.functional import flag_levels, store_factors_
     from smmf.kernels.triton_gpu import triton_flag_shard_pass_
     from smmf.matrix import pack_signs
@@ -161,21 +162,18 @@ def run_flag_shards(device: str) -> None:
             state = init_state(p, {"beta": 0.9, "vector_reshape": True, "momentum_shape": momentum_shape,
                                    "magnitude_bits": 1})
             numel, cols = p.numel(), matrix_shape(p)[1]
-            cuts = [0, 8 * (numel // 24), numel // 2 + 1, numel // 2 + 1, numel - cols // 2, numel]
+            cuts = piece_cuts(numel, cols)
             for step in range(1, 4):
                 cfg = StepConfig(lr=1e-2, beta1=0.9 * 0.999 ** (step - 1), beta2=0.9, eps=1e-8, weight_decay=0.1,
                                  decoupled_weight_decay=step != 2, maximize=step == 3, stochastic_rounding=False)
                 g = torch.randn(shape, generator=gen).to(device)
                 whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
                 torch_step_(whole, g, whole_state, cfg)
-                bits = {key: unpack_signs(state[key], numel) for key in ("sign_m", "flag_m")}
                 pieces = []
                 for lo, hi in zip(cuts[:-1], cuts[1:]):
-                    local = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-                    local.update({key: pack_signs(b[lo:hi]) for key, b in bits.items()})
-                    pieces.append((p.reshape(-1)[lo:hi].clone(), g.reshape(-1)[lo:hi].clone(), local, lo,
-                                   torch.empty_like(state["row_m"]), torch.empty_like(state["col_m"]),
-                                   torch.empty(4, device=device)))
+                    pieces.append((p.reshape(-1)[lo:hi].clone(), g.reshape(-1)[lo:hi].clone(),
+                                   piece_state(state, lo, hi), lo, torch.empty_like(state["row_m"]),
+                                   torch.empty_like(state["col_m"]), torch.empty(4, device=device)))
                 for flag_pass in (0, 1):
                     for piece, grad, local, lo, new_rows, new_cols, level_sums in pieces:
                         triton_flag_shard_pass_(piece, grad, local, cfg, lo, flag_pass, new_rows, new_cols, level_sums)
