@@ -191,6 +191,41 @@ def test_the_kernels_compile_once_and_fresh_processes_load_them_from_the_cache(t
     assert runs[1]["result"] == runs[2]["result"]
 
 
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> None:
+    """A truncated or overwritten ``.nbi``/``.nbc`` used to make every later process fail at its
+    first step until the files were deleted by hand; now the process warns once, compiles, writes a
+    good entry, and the next process loads it silently. Subprocesses: a failure here can be a crash."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "always"}
+
+    def run() -> tuple[dict, str]:
+        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+    def cache_file(suffix: str):
+        return next(tmp_path.rglob(f"*_kernel_serial*.{suffix}"))
+
+    results = [run()[0]]
+    for suffix, damage in [("nbi", lambda b: b[:10]), ("nbc", lambda b: "not a cache entry é".encode("latin-1")),
+                           ("nbi", lambda b: os.urandom(len(b)))]:
+        target = cache_file(suffix)
+        target.write_bytes(damage(target.read_bytes()))
+        repaired, warned = run()
+        assert "could not be read" in warned and warned.count("smmf: numba's cache") == 1, warned[-2000:]
+        assert (repaired["hits"], repaired["misses"]) == (0, 1)
+        results.append(repaired)
+    loaded, silent = run()
+    assert "smmf: numba's cache" not in silent
+    assert (loaded["hits"], loaded["misses"]) == (1, 0)
+    assert loaded["result"] in {r["result"] for r in results}
+
+
 def test_a_kernel_that_numba_cannot_cache_is_compiled_instead() -> None:
     pytest.importorskip("numba")
     from smmf.kernels.numba_cpu import _cached_njit

@@ -198,8 +198,37 @@ def run_flag_shards(device: str) -> None:
     print(f"{device} flag shard passes: OK")
 
 
+def run_huge_flag(device: str) -> None:
+    """Finite gradients near the fp32 maximum keep the magnitude flag's levels, and the weights, finite
+    (two elements of 3e38; a whole gradient scaled by 1e20), with the torch path's levels."""
+    gen = torch.Generator().manual_seed(5)
+    for momentum_shape in ("square", "natural"):
+        for scale in ("two", "all"):
+            p = torch.randn(64, 48, generator=gen).to(device)
+            state = init_state(p, {"beta": 0.9, "vector_reshape": True, "momentum_shape": momentum_shape,
+                                   "magnitude_bits": 1})
+            for step in range(1, 4):
+                g = torch.randn(64, 48, generator=gen)
+                if step == 1 and scale == "two":
+                    g[0, 0] = g[5, 7] = 3e38
+                elif step == 1:
+                    g = g * 1e20
+                g = g.to(device)
+                cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
+                                 weight_decay=0.0, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False)
+                q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                torch_step_(p, g, state, cfg)
+                triton_step_(q, g, sq, cfg)
+                assert bool(q.isfinite().all()) and bool(sq["levels_m"].isfinite().all()), (momentum_shape, scale, step)
+                torch.testing.assert_close(sq["levels_m"], state["levels_m"], rtol=1e-4, atol=0)
+                p.copy_(q)
+                state.update(sq)
+    print(f"{device} flag with huge gradients: finite, OK")
+
+
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    run_huge_flag(device)
     run_flag_shards(device)
     run_shards(device)
     run_batched(device)

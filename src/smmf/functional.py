@@ -165,14 +165,16 @@ def store_magnitude_flag_(state: dict[str, Any], magnitude: Tensor) -> None:
     state[LEVELS_M].copy_(flag_levels(sums))
 
 
-def magnitude_flag_fit(magnitude: Tensor, estimate: Tensor) -> tuple[Tensor, Tensor]:
+def magnitude_flag_fit(magnitude: Tensor, estimate: Tensor, numel: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """The flag F = [|M| > R] of ``magnitude`` against ``estimate`` R = r cᵀ (the new rank-1 estimate),
     and the sums of the least-squares fit of |M| to R where F is set and where it is clear:
-    ``(Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²)`` (NaN products count 0, inf ones the dtype's max)."""
+    ``(Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²)``. NaN products count 0, and each product is capped at
+    :func:`smmf.matrix.factor_sum_cap` of the whole matrix (``numel`` elements, by default these), so
+    the sums, and the levels, of finite gradients stay finite."""
     above = magnitude > estimate
-    biggest = torch.finfo(estimate.dtype).max
-    fit = (magnitude * estimate).nan_to_num_(posinf=biggest)
-    energy = (estimate * estimate).nan_to_num_(posinf=biggest)
+    cap = factor_sum_cap(magnitude.numel() if numel is None else numel, estimate.dtype)
+    fit = (magnitude * estimate).nan_to_num_(posinf=cap).clamp_(max=cap)
+    energy = (estimate * estimate).nan_to_num_(posinf=cap).clamp_(max=cap)
     sums = [part[where].sum() for where in (above, ~above) for part in (fit, energy)]
     return above, torch.stack(sums)
 

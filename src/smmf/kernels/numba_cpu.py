@@ -23,8 +23,11 @@ them instead of spending seconds of LLVM and ~100 MiB of RSS on its first step.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import threading
+import warnings
 from typing import Any, Optional
 
 import numba
@@ -251,19 +254,19 @@ def _row_flag_sums(wrow, grow, nonneg, above, col_m, acc_m, high_coef, low_coef,
 
 
 @numba.njit(inline="always")
-def _finite_or_max(x, big):
-    """NaN → 0, above ``big`` → ``big`` (``nan_to_num(posinf=max)`` of the torch path)."""
-    return big - big if x != x else (big if x > big else x)
+def _finite_or_cap(x, cap):
+    """NaN → 0, above ``cap`` → ``cap`` (:func:`smmf.functional.magnitude_flag_fit`)."""
+    return cap - cap if x != x else (cap if x > cap else x)
 
 
 @numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
-def _flag_fit(mj, estimate, big, zero):
+def _flag_fit(mj, estimate, cap, zero):
     """One element encoded against the new factors (``estimate`` = its R): sign and flag, and what it
-    adds to the flag's least-squares sums Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²."""
+    adds to the flag's least-squares sums Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R² (capped)."""
     a = abs(mj)
     flagged = a > estimate
-    fit = _finite_or_max(a * estimate, big)
-    energy = _finite_or_max(estimate * estimate, big)
+    fit = _finite_or_cap(a * estimate, cap)
+    energy = _finite_or_cap(estimate * estimate, cap)
     return (mj >= 0, flagged, fit if flagged else zero, energy if flagged else zero, zero if flagged else fit,
             zero if flagged else energy)
 
@@ -295,7 +298,7 @@ def _row_flag_update(wrow, grow, nonneg, above, col_m, acc_m, col_v, acc_v, high
 
 @numba.njit(fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _row_flag_encode(grow, nonneg, above, col_m, new_col_m, high_coef, low_coef, new_rm, fits, rest1, gsign,
-                     zero_bad, big):
+                     zero_bad, big, cap):
     """Second pass without L2 decay, over a run of one M row: this step's M formed again (as
     :func:`_row_flag_sums` forms it), its new sign and flag bits (0/1 in ``nonneg``/``above``) and
     the flag's least-squares sums (:func:`_flag_fit`) added into ``fits``. Reads only the gradient."""
@@ -310,7 +313,7 @@ def _row_flag_encode(grow, nonneg, above, col_m, new_col_m, high_coef, low_coef,
         gj = grow[j]
         gj = gj if (abs(gj) <= big) | keep_bad else zero
         mj = _flagged_momentum(signed_rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
-        nonneg[j], above[j], fh, eh, fl, el = _flag_fit(mj, new_rm * new_col_m[j], big, zero)
+        nonneg[j], above[j], fh, eh, fl, el = _flag_fit(mj, new_rm * new_col_m[j], cap, zero)
         fit_high += fh
         energy_high += eh
         fit_low += fl
@@ -339,7 +342,7 @@ def _row_flag_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, h
         wj, gj, vj, finite = _element(wrow[j], grow[j], col_v[j], rv, beta2, rest2, gsign, shrink, l2, keep_bad, big, zero)
         any_bad |= not finite
         mj = _flagged_momentum(rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
-        nonneg[j], above[j], fh, eh, fl, el = _flag_fit(mj, new_rm * new_col_m[j], big, zero)
+        nonneg[j], above[j], fh, eh, fl, el = _flag_fit(mj, new_rm * new_col_m[j], cap, zero)
         fit_high += fh
         energy_high += eh
         fit_low += fl
@@ -523,15 +526,57 @@ def _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc
 def _cached_njit(**options: Any) -> Any:
     """``numba.njit`` with ``cache=True``: compiled once per machine and source version, then loaded
     in every process (in ``__pycache__`` beside this file, else numba's user-wide cache dir, or
-    ``NUMBA_CACHE_DIR``). Where numba finds no writable place it compiles in every process instead."""
+    ``NUMBA_CACHE_DIR``). Where numba finds no writable place it compiles in every process instead;
+    a cache entry that cannot be read is compiled again (:func:`_tolerate_broken_cache`)."""
 
     def jit(fn: Any) -> Any:
         try:
-            return numba.njit(cache=True, **options)(fn)
+            dispatcher = numba.njit(cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
             return numba.njit(**options)(fn)
+        _tolerate_broken_cache(dispatcher)
+        return dispatcher
 
     return jit
+
+
+_broken_cache_warned = False
+
+
+def _warn_broken_cache(action: str, error: BaseException) -> None:
+    global _broken_cache_warned
+    if not _broken_cache_warned:
+        _broken_cache_warned = True
+        warnings.warn(f"smmf: numba's cache of the fused kernels could not be {action} ({type(error).__name__}: "
+                      f"{error}); compiling them instead. Warned once per process.", RuntimeWarning, stacklevel=2)
+
+
+def _tolerate_broken_cache(dispatcher: Any) -> None:
+    """A truncated or overwritten cache file (index or data) makes numba raise at the first call of
+    every later process (``UnpicklingError``, ``EOFError``, an LLVM bitcode error, ...). Here a load
+    that fails warns once, drops the index so that the fresh compile writes a new entry, and
+    compiles; a save that fails keeps the compiled kernel uncached."""
+    cache = getattr(dispatcher, "_cache", None)
+    if cache is None or not hasattr(cache, "load_overload"):
+        return
+    load, save = cache.load_overload, cache.save_overload
+
+    def load_overload(sig: Any, target_context: Any) -> Any:
+        try:
+            return load(sig, target_context)
+        except Exception as error:  # noqa: BLE001 - any unreadable entry: compile instead
+            _warn_broken_cache("read", error)
+            with contextlib.suppress(OSError, AttributeError):
+                os.remove(cache._cache_file._index_path)
+            return None
+
+    def save_overload(sig: Any, data: Any) -> None:
+        try:
+            save(sig, data)
+        except Exception as error:  # noqa: BLE001
+            _warn_broken_cache("written", error)
+
+    cache.load_overload, cache.save_overload = load_overload, save_overload
 
 
 _KERNEL_OPTIONS = dict(nogil=True, error_model="numpy", fastmath=_FASTMATH)
@@ -621,7 +666,7 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
                     bad += run_bad
                 elif encodes:
                     _row_flag_encode(gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], new_col_m[m_run],
-                                     high_coef, low_coef, new_row_m[m_row], fits, rest1, gsign, zero_bad, big)
+                                     high_coef, low_coef, new_row_m[m_row], fits, rest1, gsign, zero_bad, big, cap)
                 elif updates:
                     run_m, run_v, run_bad = _row_flag_update(
                         wseg[j0:j1], gseg[j0:j1], sign_bits[run], flag_bits[run], col_m[m_run], acc_m[m_run],
@@ -760,11 +805,12 @@ def _many_kernel(addresses, sizes, scalars, flags, bad_counts):
 
 @numba.njit(inline="always")
 def _finish_cols(rows, cols, col_acc, normalize):
-    """Reduce per-block column sums and normalize them by the total (zero total → zero factors)."""
+    """Reduce per-block column sums and normalize them by the total (a total that is not positive,
+    0 or NaN, divides by 1, as :func:`smmf.matrix.nnmf_from_sums`)."""
     total = 0.0
     for i in range(rows.shape[0]):
         total += rows[i]
-    scale = (1.0 / total if total > 0 else 0.0) if normalize else 1.0
+    scale = (1.0 / total if total > 0 else 1.0) if normalize else 1.0
     for j in range(cols.shape[0]):
         s = 0.0
         for b in range(col_acc.shape[0]):

@@ -88,10 +88,10 @@ def _momentum(g, sign_bits, flag_bits, magnitude, high, low, beta1, FLAG: tl.con
 
 
 @triton.jit
-def _finite_or_max(x):
-    """NaN → 0, +inf → the fp32 max (``nan_to_num(posinf=max)`` of the torch path)."""
+def _finite_or_cap(x, cap):
+    """NaN → 0, above ``cap`` → ``cap`` (:func:`smmf.functional.magnitude_flag_fit`)."""
     x = tl.where(x != x, 0.0, x)
-    return tl.where(x > 3.4028234663852886e38, 3.4028234663852886e38, x)
+    return tl.where(x > cap, cap, x)
 
 
 @triton.jit
@@ -253,8 +253,8 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
                     estimate = tl.load(new_row_m + rows, mask=row_ok, other=0.0)[:, None, None] * new_cm
                 a = tl.abs(mm)
                 above = (a > estimate) & ok
-                fit = tl.where(ok, _finite_or_max(a * estimate), 0.0)
-                energy = tl.where(ok, _finite_or_max(estimate * estimate), 0.0)
+                fit = tl.where(ok, _finite_or_cap(a * estimate, cap), 0.0)
+                energy = tl.where(ok, _finite_or_cap(estimate * estimate, cap), 0.0)
                 fit_high += tl.sum(tl.sum(tl.sum(tl.where(above, fit, 0.0), axis=2), axis=1), axis=0)
                 energy_high += tl.sum(tl.sum(tl.sum(tl.where(above, energy, 0.0), axis=2), axis=1), axis=0)
                 fit_low += tl.sum(tl.sum(tl.sum(tl.where(above, 0.0, fit), axis=2), axis=1), axis=0)
