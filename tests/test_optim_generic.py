@@ -150,6 +150,45 @@ def test_state_dict_load_into_clone_is_deterministic(info: OptimizerInfo, kwargs
 
 
 @parametrize_cases
+@pytest.mark.parametrize("named_0", [True, False], ids=["named0", "plain0"])
+@pytest.mark.parametrize("named_1", [True, False], ids=["named1", "plain1"])
+def test_can_load_from_to_named_state_dict(info: OptimizerInfo, kwargs: dict[str, Any], named_0: bool,
+                                           named_1: bool) -> None:
+    """torch's ``TestOptimRenewed.test_can_load_from_to_named_state_dict``: an optimizer built from
+    ``named_parameters()`` records ``param_names`` in its groups; its checkpoint loads into one built
+    from ``parameters()`` and back, continues identically, and keeps the names where either had them."""
+    model = _model(info.device)
+    opt = info.factory(model.named_parameters() if named_0 else model.parameters(), **_fresh_kwargs(kwargs))
+    _train(model, opt, range(3))
+    clone = copy.deepcopy(model)
+    opt_clone = info.factory(clone.named_parameters() if named_1 else clone.parameters(), **_fresh_kwargs(kwargs))
+    opt_clone.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert _train(model, opt, range(3, 8)) == _train(clone, opt_clone, range(3, 8))
+    for p, q in zip(model.parameters(), clone.parameters()):
+        assert torch.equal(p, q)
+    if named_0 or named_1:
+        names = [name for name, _ in model.named_parameters()]
+        assert opt_clone.state_dict()["param_groups"][0]["param_names"] == names
+
+
+@parametrize_cases
+def test_named_state_dict_is_deterministic(info: OptimizerInfo, kwargs: dict[str, Any]) -> None:
+    """torch's ``test_state_dict_deterministic`` with an optimizer built from ``named_parameters()``:
+    its state dict loads into a fresh one and gives the same state dict back."""
+    model = _model(info.device)
+    opt = info.factory(model.named_parameters(), **_fresh_kwargs(kwargs))
+    _train(model, opt, range(2))
+    clone = copy.deepcopy(model)
+    opt_clone = info.factory(clone.named_parameters(), **_fresh_kwargs(kwargs))
+    opt_clone.load_state_dict(copy.deepcopy(opt.state_dict()))
+    a, b = opt.state_dict(), opt_clone.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for pid, state in a["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][pid][key])), key
+
+
+@parametrize_cases
 def test_deepcopy_continues_identically(info: OptimizerInfo, kwargs: dict[str, Any]) -> None:
     model = _model(info.device)
     opt = info.factory(model.parameters(), **_fresh_kwargs(kwargs))

@@ -152,3 +152,277 @@ def test_bad_arguments() -> None:
         step_in_backward(torch.optim.Adam(_cnn().parameters()))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="accumulation_steps should be an int >= 1"):
         step_in_backward(SMMF(_cnn().parameters()), accumulation_steps=0)
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _same_state(opt_a: SMMF, a: torch.nn.Module, opt_b: SMMF, b: torch.nn.Module) -> bool:
+    for p, q in zip(a.parameters(), b.parameters()):
+        if set(opt_a.state.get(p, {})) != set(opt_b.state.get(q, {})):
+            return False
+        for key, value in opt_a.state.get(p, {}).items():
+            if not torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b.state[q][key])):
+                return False
+    return True
+
+
+def _snapshot(model: torch.nn.Module, opt: SMMF) -> tuple[list[torch.Tensor], dict]:
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+
+def _unchanged(model: torch.nn.Module, opt: SMMF, snapshot: tuple[list[torch.Tensor], dict]) -> bool:
+    params, saved = snapshot
+    now = opt.state_dict()
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), params)) and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(saved["state"][i][k]))
+        for i, st in now["state"].items() for k, v in st.items())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loaded_checkpoint_sets_the_lr_the_hooks_step_at(backend: str) -> None:
+    torch.manual_seed(0)
+    m, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    ref.load_state_dict(m.state_dict())
+    checkpoint = SMMF(m.parameters(), lr=1e-3).state_dict()
+    opt = SMMF(m.parameters(), lr=1.0, backend=backend)
+    step_in_backward(opt)
+    opt.load_state_dict(checkpoint)
+    opt_ref = SMMF(ref.parameters(), lr=1.0, backend=backend)
+    opt_ref.load_state_dict(checkpoint)
+    x = torch.randn(2, 8)
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    opt_ref.step()
+    assert _same(m, ref)  # stepped at the loaded lr=1e-3, not the constructor's 1.0
+
+
+def test_params_of_a_group_added_after_installing_are_stepped_in_backward() -> None:
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    a2, b2 = copy.deepcopy(a), copy.deepcopy(b)
+    opt = SMMF(a.parameters(), lr=1e-2)
+    step_in_backward(opt)
+    opt.add_param_group({"params": list(b.parameters()), "lr": 3e-2})
+    ref = SMMF(a2.parameters(), lr=1e-2)
+    ref.add_param_group({"params": list(b2.parameters()), "lr": 3e-2})
+    for s in range(4):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(s))
+        b(a(x)).pow(2).sum().backward()
+        assert all(p.grad is None for p in b.parameters())
+        opt.step()  # does not step b a second time
+        ref.zero_grad()
+        b2(a2(x)).pow(2).sum().backward()
+        ref.step()
+    assert _same(a, a2) and _same(b, b2)
+
+
+def test_installing_twice_is_refused_and_the_first_keeps_working() -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = SMMF(m.parameters())
+    handle = step_in_backward(opt, accumulation_steps=2)
+    with pytest.raises(RuntimeError, match="already installed"):
+        step_in_backward(opt, accumulation_steps=3)
+    for _ in range(6):
+        m(torch.randn(2, 4)).sum().backward()
+    assert opt.state[m.weight]["step"] == 3
+    handle.remove()
+    step_in_backward(opt)  # after remove() it may be installed again
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["loop", "in_backward"])
+@pytest.mark.parametrize("change", [("magnitude_bits", 1), ("momentum_shape", "natural"), ("beta", None),
+                                    ("vector_reshape", False)], ids=lambda c: str(c[0]))
+def test_a_layout_option_changed_mid_run_is_refused_before_anything_changes(change, in_backward: bool) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+    opt = SMMF(m.parameters())
+    if in_backward:
+        step_in_backward(opt)
+    for _ in range(2):
+        m(torch.randn(2, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    key, value = change
+    old = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    before = _snapshot(m, opt)
+    with pytest.raises(RuntimeError, match="cannot change mid-run"):
+        m(torch.randn(2, 6)).sum().backward()
+        opt.step()
+    assert _unchanged(m, opt, before)
+    opt.param_groups[0][key] = old
+    opt.load_state_dict(opt.state_dict())  # its own checkpoint still loads
+
+
+def _branchy() -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+
+def _micro_loss(a, b, c, step: int) -> torch.Tensor:
+    """Micro-batch ``step`` reaches a always, b on some steps, c on others (a branch, routing)."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+    h = a(x)
+    if step % 3 == 1:
+        h = b(h)
+    if step % 4 == 2:
+        h = c(h)
+    return h.pow(2).sum()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_accumulation_windows_are_counted_per_backward(backend: str, k: int) -> None:
+    ref, fused = _branchy(), _branchy()
+    opt_ref = SMMF([p for mod in ref for p in mod.parameters()], lr=1e-2, backend=backend)
+    opt = SMMF([p for mod in fused for p in mod.parameters()], lr=1e-2, backend=backend)
+    step_in_backward(opt, accumulation_steps=k)
+    for window in range(5):
+        for micro in range(k):
+            _micro_loss(*ref, k * window + micro).backward()
+            _micro_loss(*fused, k * window + micro).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        assert all(p.grad is None for mod in fused for p in mod.parameters())
+    for r, f in zip(ref, fused):
+        assert _same(r, f)
+        assert _same_state(opt_ref, r, opt, f)
+
+
+def test_the_issue_branch_reproducer() -> None:
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    o = SMMF([*a.parameters(), *b.parameters()])
+    step_in_backward(o, accumulation_steps=2)
+    for s in range(4):
+        (b(a(torch.randn(2, 4))) if s == 1 else a(torch.randn(2, 4))).sum().backward()
+    assert o.state[b.weight]["step"] == 1 and b.weight.grad is None
+    assert o.state[a.weight]["step"] == 2
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_readme_loop_with_step_and_zero_grad_each_micro_batch_takes_the_ordinary_steps(k: int) -> None:
+    ordinary, fused = _cnn(), _cnn()
+    opt_a, opt_b = SMMF(ordinary.parameters(), lr=1e-2), SMMF(fused.parameters(), lr=1e-2)
+    step_in_backward(opt_b, accumulation_steps=k)
+    for step in range(6):
+        _loss(fused, step).backward()
+        opt_b.step()  # no-ops mid-window: the hooks own these gradients
+        opt_b.zero_grad()
+        _loss(ordinary, step).backward()
+        if (step + 1) % k == 0:
+            opt_a.step()
+            opt_a.zero_grad()
+    assert opt_b.state[next(fused.parameters())]["step"] == 6 // k
+    assert _same(ordinary, fused)
+
+
+def _shared_segments(use_reentrant: bool, outside: bool):
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(8, 8)
+
+    def loss(step: int) -> torch.Tensor:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        for _ in range(3):
+            x = torch.utils.checkpoint.checkpoint(shared, x, use_reentrant=use_reentrant)
+        if outside:
+            x = shared(x)
+        return x.tanh().sum()
+
+    return shared, loss
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_layer_shared_by_checkpointed_segments_is_stepped_once_per_backward(use_reentrant: bool) -> None:
+    shared, loss = _shared_segments(use_reentrant, outside=False)
+    ref, ref_loss = _shared_segments(use_reentrant, outside=False)
+    opt = SMMF(shared.parameters(), lr=1e-2)
+    opt_ref = SMMF(ref.parameters(), lr=1e-2)
+    step_in_backward(opt)
+    for step in range(3):
+        loss(step).backward()
+        assert shared.weight.grad is None
+        ref_loss(step).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    assert opt.state[shared.weight]["step"] == 3
+    assert _same(shared, ref)
+
+
+def test_reentrant_checkpointing_of_a_layer_also_used_outside_is_refused_loudly() -> None:
+    """Its step outside the checkpoint runs before the checkpoint's gradient exists: refused, with the
+    way out; after reset() it is stepped once, at the end of each backward."""
+    shared, loss = _shared_segments(True, outside=True)
+    opt = SMMF(shared.parameters(), lr=1e-2)
+    handle = step_in_backward(opt)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        loss(0).backward()
+    handle.reset()
+    ref, ref_loss = _shared_segments(True, outside=True)
+    ref.load_state_dict(shared.state_dict())
+    opt_ref = SMMF(ref.parameters(), lr=1e-2)
+    opt_ref.load_state_dict(opt.state_dict())
+    for step in range(1, 4):
+        loss(step).backward()
+        assert shared.weight.grad is None
+        ref_loss(step).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    assert opt.state[shared.weight]["step"] == 4
+    assert _same(shared, ref)
+
+
+class _FailOnce(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise ValueError("a failure inside backward")
+        return grad
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_after_an_exception_in_backward_the_next_backward_refuses_until_reset(k: int) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def loss(step: int) -> torch.Tensor:
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        return model[1](_FailOnce.apply(model[0](x))).pow(2).sum()
+
+    opt = SMMF(model.parameters(), lr=1e-2)
+    handle = step_in_backward(opt, accumulation_steps=k)
+    for step in range(k):  # a whole window, then a failure in the next one's last micro-batch
+        loss(step).backward()
+    for step in range(k, 2 * k - 1):
+        loss(step).backward()
+    _FailOnce.armed = True
+    with pytest.raises(ValueError, match="a failure inside backward"):
+        loss(99).backward()
+    # The layer after the failure point was stepped (k == 1) or holds partial gradients; then:
+    before = _snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="Call reset"):
+        loss(100).backward()
+    assert _unchanged(model, opt, before)
+    handle.reset()
+    assert all(p.grad is None for p in model.parameters())
+    # From here it equals an ordinary loop started from the same params and state.
+    ref = copy.deepcopy(model)
+    opt_ref = SMMF(ref.parameters(), lr=1e-2)
+    opt_ref.load_state_dict(opt.state_dict())
+    for window in range(3):
+        for micro in range(k):
+            loss(200 + window * k + micro).backward()
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(200 + window * k + micro))
+            ref[1](ref[0](x)).pow(2).sum().backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    assert _same(model, ref)

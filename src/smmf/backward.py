@@ -1,76 +1,258 @@
-"""The optimizer step inside backward: each parameter is updated, and its gradient freed, as soon
-as its gradient is ready — so at most a few gradients exist at once instead of all of them.
+"""The optimizer step inside backward: each parameter is updated, and its gradient freed, as soon as
+its gradient is ready — so at most a few gradients exist at once instead of all of them.
 
 With SMMF's tiny state, training memory is then about weights + activations. The optimizer object
 stays an ordinary one: ``param_groups`` (and so ``torch.optim.lr_scheduler``), ``state_dict`` and
-``load_state_dict`` work and checkpoints are interchangeable with the ordinary loop; ``step()`` and
-``zero_grad()`` find no gradient left and do nothing.
+``load_state_dict`` work and checkpoints are interchangeable with the ordinary loop.
+
+What "the same as the ordinary loop" takes, and how it is kept:
+
+- **Windows are counted per backward, not per parameter.** ``accumulation_steps=k``: the k-th
+  backward of a window steps each parameter in its hook; a parameter the k-th micro-batch did not
+  reach, but an earlier one did, is stepped when that backward ends (with whatever else still holds a
+  gradient), as ``optimizer.step()`` after k backwards would.
+- **The group is looked up when the hook fires**, so ``load_state_dict``, schedulers and
+  ``add_param_group`` (its params get hooks too) act on the next step.
+- **Reentrant backwards** (activation checkpointing with ``use_reentrant=True`` runs a backward per
+  segment inside the outer one): a parameter whose gradient arrives in one is stepped once, when the
+  outermost backward ends, after all its contributions.
+- **A backward that raises** leaves the parameters it already stepped stepped; the window is then
+  open and the next backward refuses to run until :meth:`StepInBackward.reset` discards it.
+- **``step()`` and ``zero_grad()`` leave the hooked parameters alone**: their gradients belong to
+  the hooks' window, so a loop that calls them after every micro-batch takes the same steps.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+import threading
+import weakref
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from .optimizer import SMMF
+from .state import check_state_fits
+
+# The group options that decide a state's layout (checked when they change between backwards).
+_LAYOUT_OPTIONS = ("beta", "vector_reshape", "momentum_shape", "magnitude_bits")
 
 __all__ = ["step_in_backward", "StepInBackward"]
 
+_ENGINE = torch.autograd.Variable._execution_engine
+# The frame of a Python autograd Function's backward (activation checkpointing's among them): a hook
+# that fires with one below it on the stack runs in a backward launched from inside another.
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _enclosing_backward_node() -> Any:
+    """The node of the outermost backward whose own backward launched the one running now (reentrant
+    checkpointing), or ``None`` when the running backward is the outermost."""
+    node = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _FUNCTION_BACKWARD:
+            node = frame.f_locals.get("self")
+        frame = frame.f_back
+    return node
+
+
+class _EndOfBackward:
+    """Queued on the outermost backward; the engine drops it unrun when that backward raises, so a
+    dead weak reference to it means the backward failed."""
+
+    def __init__(self, owner: StepInBackward) -> None:
+        self.owner = owner
+
+    def __call__(self) -> None:
+        self.owner._end_of_backward()
+
 
 class StepInBackward:
-    """The hooks :func:`step_in_backward` registered; :meth:`remove` restores the ordinary loop."""
+    """The hooks :func:`step_in_backward` registered: :meth:`remove` restores the ordinary loop,
+    :meth:`reset` discards a window a failed backward left open."""
 
     def __init__(self, optimizer: SMMF, accumulation_steps: int) -> None:
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
-        self._accumulated: dict[Tensor, int] = {}
-        self._handles = [
-            param.register_post_accumulate_grad_hook(self._make_hook(group))
-            for group in optimizer.param_groups
-            for param in group["params"]
-            if param.requires_grad
-        ]
+        self._lock = threading.RLock()  # CPU and CUDA params' hooks fire on different threads
+        self._handles: dict[Tensor, Any] = {}
+        self._micro = 0  # backwards completed in the current window
+        self._ending: Optional[weakref.ref[_EndOfBackward]] = None  # set while a backward runs
+        self._stepped: set[Tensor] = set()  # stepped in the running backward
+        self._reentrant: set[Tensor] = set()  # got a gradient inside a reentrant backward, ever
+        self._late: set[Tensor] = set()  # got gradient after their step in the running backward
+        self._failed = False  # a backward ended in an error: reset() before the next one
+        self._groups: tuple[tuple[int, ...], dict[Tensor, dict[str, Any]]] = ((), {})
+        self._layouts: dict[int, tuple[Any, ...]] = {}  # each group's layout options at the last backward
+        for group in optimizer.param_groups:
+            self.attach(group["params"])
 
-    def _make_hook(self, group: dict[str, Any]):
-        def hook(param: Tensor) -> None:
-            # Fires once per backward for each param, after all its uses have been summed in.
-            count = self._accumulated.get(param, 0) + 1
-            if count < self.accumulation_steps:
-                self._accumulated[param] = count
-                return
-            self._accumulated[param] = 0
-            self.optimizer.step_params([(group, param)])
-            param.grad = None
+    @property
+    def active(self) -> bool:
+        return self.optimizer._step_in_backward is self
 
-        return hook
+    def attach(self, params: list[Tensor]) -> None:
+        """Hook ``params`` (the optimizer's :meth:`~SMMF.add_param_group` calls this). Frozen ones
+        get a hook too, which fires once they are unfrozen."""
+        for param in params:
+            if param in self._handles:
+                continue
+            frozen = not param.requires_grad
+            if frozen:
+                param.requires_grad_(True)
+            try:
+                self._handles[param] = param.register_post_accumulate_grad_hook(self._hook)
+            finally:
+                if frozen:
+                    param.requires_grad_(False)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Unhook: ``step()`` and ``zero_grad()`` act again; gradients accumulated in an unfinished
+        window stay in ``.grad`` for the ordinary loop to use."""
+        with self._lock:
+            for handle in self._handles.values():
+                handle.remove()
+            self._handles = {}
+            if self.active:
+                self.optimizer._step_in_backward = None
+
+    def reset(self) -> None:
+        """Discard the current window: every gradient of the optimizer's params is dropped and the
+        count of micro-batches restarts (after a backward that raised, or to drop a partial window)."""
+        with self._lock:
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+            self._micro, self._ending, self._failed = 0, None, False
+            self._stepped.clear()
+            self._late.clear()
+
+    def _group_of(self, param: Tensor) -> dict[str, Any]:
+        """The param's group as the optimizer holds it now (``load_state_dict`` replaces the dicts)."""
+        key = tuple(map(id, self.optimizer.param_groups))
+        if key != self._groups[0]:
+            self._groups = (key, {p: g for g in self.optimizer.param_groups for p in g["params"]})
+        return self._groups[1][param]
+
+    def _hook(self, param: Tensor) -> None:
+        # Fires once per backward for each param, after its uses in that backward have been summed in.
+        with self._lock:
+            enclosing = _enclosing_backward_node()
+            self._note_backward(enclosing)
+            if self._micro + 1 < self.accumulation_steps:
+                return  # accumulating: the window closes on a later backward
+            if param in self._stepped:  # refused when this backward ends (all such params then known)
+                self._late.add(param)
+                self._reentrant.add(param)  # from now on stepped when each backward ends
+                return
+            if enclosing is not None or param in self._reentrant:
+                self._reentrant.add(param)  # stepped when the outermost backward ends
+                return
+            self.optimizer.step_params([(self._group_of(param), param)])
+            self._stepped.add(param)
+            param.grad = None
+
+    def _note_backward(self, enclosing: Any) -> None:
+        """Make sure the end of the outermost backward is seen; refuse to go on after a failed one."""
+        if self._ending is not None and self._ending() is not None:
+            return  # this backward's end is queued (or about to be)
+        if self._ending is not None or self._failed:
+            raise RuntimeError(
+                "a backward pass raised before step_in_backward's window ended: the parameters it had stepped "
+                "stay stepped, the others hold partial gradients. Call reset() on the handle step_in_backward "
+                "returned to discard them, then go on."
+            )
+        self._check_layouts()
+        ending = _EndOfBackward(self)
+        self._ending = weakref.ref(ending)
+        if enclosing is None:
+            _ENGINE.queue_callback(ending)
+            return
+        # In a reentrant backward a callback would run at its end, not the outermost's: queue it from
+        # the outer backward, when a node that takes the enclosing node's gradients runs.
+        handles: list[Any] = []
+
+        def queue_on_outer(*_: Any) -> None:
+            for handle in handles:
+                handle.remove()
+            if self._ending is not None and self._ending() is ending:
+                _ENGINE.queue_callback(ending)
+
+        handles.extend(node.register_prehook(queue_on_outer) for node, _ in enclosing.next_functions if node is not None)
+
+    def _check_layouts(self) -> None:
+        """At the start of a backward: a group option that decides the state's layout, changed since
+        the last backward, is refused before any parameter of this backward is stepped."""
+        seen = {}
+        for group in self.optimizer.param_groups:
+            options = tuple(group.get(key) for key in _LAYOUT_OPTIONS)
+            if self._layouts.get(id(group)) != options:
+                for param in group["params"]:
+                    if self.optimizer.state.get(param):
+                        check_state_fits(param, group, self.optimizer.state[param])
+            seen[id(group)] = options
+        self._layouts = seen
+
+    def _end_of_backward(self) -> None:
+        with self._lock:
+            self._ending = None
+            self._stepped.clear()
+            if self._late:
+                late, self._late, self._failed = len(self._late), set(), True
+                raise RuntimeError(
+                    f"step_in_backward stepped {late} parameter(s) with the gradient they had, then they got more "
+                    "gradient in the same backward, inside a reentrant backward (activation checkpointing with "
+                    "use_reentrant=True of a parameter also used outside the checkpoint). From now on they are "
+                    "stepped when each backward ends: call reset() on the handle and go on, or use "
+                    "use_reentrant=False."
+                )
+            self._micro += 1
+            if self._micro < self.accumulation_steps:
+                return
+            self._micro = 0
+            # What the hooks left: params this micro-batch did not reach, and those deferred by reentrancy.
+            left = [(group, p) for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            self.optimizer.step_params(left)
+            for _, param in left:
+                param.grad = None
 
 
 def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1) -> StepInBackward:
     """Run ``optimizer``'s step for each parameter inside backward, and free its gradient.
 
-    ``accumulation_steps=k`` accumulates k backward passes (micro-batches) and steps on the k-th;
-    the gradients then live from the first to the k-th, as in ordinary accumulation. What cannot
-    work, and fails or is refused: global-norm gradient clipping (the norm is not known until
-    every gradient exists; clip inside your loss, or per parameter with a hook of your own
+    ``accumulation_steps=k`` accumulates k backward passes (micro-batches) and steps during the k-th;
+    the gradients then live from the first to the k-th, as in ordinary accumulation. One backward is
+    one micro-batch, whichever parameters it reaches (a backward that reaches none of the optimizer's
+    parameters is not counted). The loop is ``loss.backward()`` per micro-batch; ``optimizer.step()``
+    and ``optimizer.zero_grad()`` may stay in it and do nothing to the hooked parameters.
+
+    After a backward that raised, call ``reset()`` on the returned handle before the next one: it
+    discards the unfinished window (parameters the failed backward had stepped stay stepped).
+
+    What cannot work, and fails or is refused: global-norm gradient clipping (the norm is not known
+    until every gradient exists; clip inside your loss, or per parameter with a hook of your own
     registered first); ``torch.amp.GradScaler`` (the step would run on scaled gradients before the
     scaler could check them; ``scaler.step`` then fails with its "No inf checks were recorded"
     error); DDP or any multi-process gradient reduction (the step would see this rank's gradient
-    before the all-reduce: refused while a process group of more than one rank exists).
+    before the all-reduce: refused while a process group of more than one rank exists); installing
+    twice on one optimizer.
     """
     if not isinstance(optimizer, SMMF):
         raise TypeError(f"step_in_backward takes an smmf.SMMF optimizer, not {type(optimizer).__name__}")
-    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+    if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps should be an int >= 1 but is: {accumulation_steps!r}")
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         raise RuntimeError(
             "step_in_backward cannot run under DDP or another multi-rank gradient reduction: each param's step "
             "would see this rank's gradient before the all-reduce. Use the ordinary optimizer.step()."
         )
-    return StepInBackward(optimizer, accumulation_steps)
+    if optimizer._step_in_backward is not None:
+        raise RuntimeError(
+            "step_in_backward is already installed on this optimizer; call remove() on its handle before "
+            "installing it again"
+        )
+    handle = StepInBackward(optimizer, accumulation_steps)
+    optimizer._step_in_backward = handle
+    return handle

@@ -5,13 +5,13 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Literal, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union, cast
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .functional import StepConfig
+from .functional import StepConfig, torch_step_
 from .kernels import check_backend, step_kernel
 from .schedules import beta1_at, beta2_at
 from .state import (
@@ -25,6 +25,9 @@ from .state import (
     state_layout,
 )
 
+if TYPE_CHECKING:
+    from .backward import StepInBackward
+
 __all__ = ["SMMF"]
 
 ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
@@ -33,8 +36,9 @@ NONFINITE_GRADS = ("zero", "propagate")
 # Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
 # constructor's values are kept. ``backend`` is never taken from a checkpoint.
 _OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads", "momentum_shape", "magnitude_bits")
-# Keys that learning-rate schedulers add to param groups.
-_SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum")
+# Keys that torch adds to param groups: learning-rate schedulers, and ``param_names`` in an optimizer
+# built from ``named_parameters()`` (torch >= 2.6).
+_TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "param_names")
 
 
 def _validate_group(group: dict[str, Any]) -> None:
@@ -145,6 +149,14 @@ class NonfiniteMonitor:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def _mark_written(kernel: Callable[..., Any], param: Tensor, state: dict[str, Any]) -> None:
+    """Bump the autograd version of what a fused kernel wrote through raw pointers, as an in-place
+    torch op would (the torch path's own in-place ops do it)."""
+    if kernel is not torch_step_:
+        for tensor in (param, *(t for t in state.values() if isinstance(t, Tensor))):
+            torch.autograd.graph.increment_version(tensor)
 
 
 def _reject_flattened(param: Tensor) -> None:
@@ -279,6 +291,7 @@ class SMMF(Optimizer):
         )
         _validate_group(defaults)
         self._nonfinite = NonfiniteMonitor()
+        self._step_in_backward: Optional[StepInBackward] = None
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -291,6 +304,9 @@ class SMMF(Optimizer):
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise
+        hooks = getattr(self, "_step_in_backward", None)
+        if hooks is not None:
+            hooks.attach(self.param_groups[-1]["params"])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -302,21 +318,37 @@ class SMMF(Optimizer):
             for key, default in MOMENTUM_CODE_DEFAULTS.items():
                 group.setdefault(key, default)
         self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
+        self.__dict__.setdefault("_step_in_backward", None)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
-        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
+
+        Under :func:`smmf.step_in_backward` the hooks step the parameters: this only runs ``closure``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.step_params([(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None])
+        if self._step_in_backward is None:
+            self.step_params([(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None])
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As :meth:`torch.optim.Optimizer.zero_grad`; under :func:`smmf.step_in_backward` it does
+        nothing (the gradients belong to the hooks' accumulation window: ``reset()`` drops them)."""
+        if self._step_in_backward is None:
+            super().zero_grad(set_to_none)
+
+    @torch.compiler.disable  # the kernels take Python scalars and raw data: torch.compile breaks the graph here
     @torch.no_grad()
     def step_params(self, params: list[tuple[dict[str, Any], Tensor]]) -> None:
         """The step of some of the params, each with its group: what :meth:`step` does for all of
-        them, and :func:`smmf.step_in_backward` for one as soon as its gradient is ready."""
+        them, and :func:`smmf.step_in_backward` for one as soon as its gradient is ready.
+
+        Like an in-place torch op, it bumps the version of every tensor it writes, so autograd
+        refuses a graph that saved a weight before the step. A step that raises before its kernels
+        write (a bad gradient or state, a kernel that fails to compile or dispatch) leaves the
+        params, their state and its ``step`` count as they were."""
         # Check everything before touching anything: a rejected step changes no param or state.
         work = []
         for group, param in params:
@@ -334,18 +366,34 @@ class SMMF(Optimizer):
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
         batches: dict[Callable[..., Any], list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
         configs: dict[tuple[int, int], StepConfig] = {}
-        for group, param, state, kernel in work:
-            self.state[param] = state
-            state[STEP] += 1
-            key = (id(group), state[STEP])
-            cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP]))
-            batched = getattr(kernel, "batched", None)
-            if batched is None:
-                self._nonfinite.report(kernel(param, param.grad, state, cfg))
-            else:
-                batches.setdefault(batched, []).append((param, param.grad, state, cfg))
-        for batched, items in batches.items():
-            self._nonfinite.report(batched(items))
+        pending = []  # (param, its state before) of the steps not yet run: restored if one raises
+        try:
+            for group, param, state, kernel in work:
+                pending.append((param, self.state.get(param)))
+                self.state[param] = state
+                state[STEP] += 1
+                key = (id(group), state[STEP])
+                cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP]))
+                batched = getattr(kernel, "batched", None)
+                if batched is None:
+                    self._nonfinite.report(kernel(param, param.grad, state, cfg))
+                    pending.pop()
+                    _mark_written(kernel, param, state)
+                else:
+                    batches.setdefault(batched, []).append((param, param.grad, state, cfg))
+            for batched, items in batches.items():
+                self._nonfinite.report(batched(items))
+                for param, _, state, _ in items:
+                    _mark_written(batched, param, state)
+                done = {id(param) for param, *_ in items}
+                pending = [entry for entry in pending if id(entry[0]) not in done]
+        except BaseException:
+            for param, before in pending:
+                if before:
+                    before[STEP] -= 1
+                else:
+                    self.state.pop(param, None)
+            raise
 
     @staticmethod
     def _step_config(group: dict[str, Any], step: int) -> StepConfig:
@@ -419,7 +467,7 @@ class SMMF(Optimizer):
                     f"the optimizer's has {len(group['params'])}"
                 )
             missing = sorted(required - set(saved))
-            foreign = sorted(set(saved) - set(self.defaults) - set(group) - {"params", *_SCHEDULER_KEYS})
+            foreign = sorted(set(saved) - set(self.defaults) - set(group) - {"params", *_TORCH_GROUP_KEYS})
             if missing or foreign:
                 raise ValueError(
                     f"loaded parameter group {index} does not hold SMMF's options (lacks {missing}, has unknown "

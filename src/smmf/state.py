@@ -124,9 +124,16 @@ def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-    """Raise ``RuntimeError`` unless the live ``state`` has the shapes ``param`` needs now (a param
-    whose ``.data`` was swapped for another shape would make the kernels read and write out of bounds)."""
+    """Raise ``RuntimeError`` unless the live ``state`` has the keys and shapes ``param`` needs now
+    under ``group``'s options (a param whose ``.data`` was swapped for another shape would make the
+    kernels read and write out of bounds; a group option changed mid-run that decides the layout —
+    ``beta`` to or from None, ``vector_reshape``, ``momentum_shape``, ``magnitude_bits`` — would be
+    ignored, and the optimizer could then not load its own checkpoint)."""
     real = real_view(param)
+    has_momentum, dense = group["beta"] is not None, is_dense(param, group)
+    flag = has_momentum and not dense and momentum_option(group, "magnitude_bits") == 1
+    if (EXP_AVG_SQ in state, EXP_AVG in state or ROW_M in state, FLAG_M in state) != (dense, has_momentum, flag):
+        _refuse_layout_change()
     if EXP_AVG_SQ in state:
         got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)
         if is_dtensor(state[EXP_AVG_SQ]) or got == need:
@@ -136,12 +143,24 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
         got, need = (state[ROW_V].shape[0], state[COL_V].shape[0]), (rows, cols)
         if got == need and ROW_M in state:  # M's own view (natural shape) must fit too
             got, need = (state[ROW_M].shape[0], state[COL_M].shape[0]), momentum_matrix_shape(param, group)
+            if got != need and got == momentum_matrix_shape(param, {**group, "momentum_shape": "square"}):
+                _refuse_layout_change()
+            if got != need and got == momentum_matrix_shape(param, {**group, "momentum_shape": "natural"}):
+                _refuse_layout_change()
         if got == need and all(key not in state or is_dtensor(state[key])
                                or state[key].shape[0] == packed_sign_bytes(rows * cols) for key in (SIGN_M, FLAG_M)):
             return
     raise RuntimeError(
         f"a parameter of shape {tuple(param.shape)} has SMMF state made for another shape "
         f"(state {got}, this shape needs {need}): was its .data replaced? Build a new optimizer for it"
+    )
+
+
+def _refuse_layout_change() -> None:
+    raise RuntimeError(
+        "a parameter's SMMF state was made under other group options than it has now: beta to or from None, "
+        "vector_reshape, momentum_shape and magnitude_bits decide the state's layout and cannot change mid-run. "
+        "Set them back, or build a new optimizer"
     )
 
 
