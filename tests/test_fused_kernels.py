@@ -103,7 +103,8 @@ def test_unavailable_backend_is_a_clear_error() -> None:
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
 def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for_bit(monkeypatch) -> None:
     """Small fp32 tensors go through one launch per step (their step is mostly launch overhead);
-    each is updated exactly as a launch of its own would update it."""
+    each is updated exactly as a launch of its own (the shared kernel with that tensor alone: what the
+    step inside backward runs) would update it, and within float noise of the per-tensor kernel."""
     from smmf.kernels import numba_cpu
 
     launches = []
@@ -115,26 +116,32 @@ def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for
         base = [torch.randn(s, generator=gen) for s in shapes]
         together = [torch.nn.Parameter(b.clone()) for b in base]
         alone = [torch.nn.Parameter(b.clone()) for b in base]
+        own = [torch.nn.Parameter(b.clone()) for b in base]
         opt = SMMF(together, backend="numba", **config)
         singles = [SMMF([p], backend="numba", **config) for p in alone]
+        owns = [SMMF([p], backend="numba", **config) for p in own]
         grads = [[torch.randn(p.shape, generator=gen) for p in together] for _ in range(3)]
         launches.clear()
         for step_grads in grads:
             for p, g in zip(together, step_grads):
                 p.grad = g.clone()
             opt.step()
-        assert launches == [len(shapes)] * 3  # one launch per step
-        monkeypatch.setattr(numba_cpu, "_takes_many", lambda *args: False)  # each tensor its own launch
-        for step_grads in grads:
             for q, single, g in zip(alone, singles, step_grads):
+                q.grad = g.clone()
+                single.step()
+        assert launches == ([len(shapes)] + [1] * len(shapes)) * 3  # one launch per step, alone or shared
+        monkeypatch.setattr(numba_cpu, "_takes_many", lambda *args: False)  # the per-tensor kernel
+        for step_grads in grads:
+            for q, single, g in zip(own, owns, step_grads):
                 q.grad = g.clone()
                 single.step()
         monkeypatch.undo()
         monkeypatch.setattr(numba_cpu, "_many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
-        for p, q, single in zip(together, alone, singles):
+        for p, q, r, single in zip(together, alone, own, singles):
             assert torch.equal(p, q)
             for key, value in opt.state[p].items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key
+            torch.testing.assert_close(r, p, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
@@ -171,6 +178,41 @@ stats = numba_cpu._kernel_serial.stats
 print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
                   "result": hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()}))
 """
+
+
+_SHARED_CACHE_PROBE = """
+import hashlib, json, torch, smmf
+from smmf.kernels import numba_cpu
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(s)) for s in [(30, 20), (20,), (7, 3, 3)]]
+opt = smmf.SMMF(params, backend="numba")
+for _ in range(2):
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+lone = torch.nn.Parameter(torch.randn(40, 10))
+lone.grad = torch.randn_like(lone)
+smmf.SMMF([lone], backend="numba").step()
+stats = numba_cpu._many_kernel.stats
+print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
+                  "result": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params + [lone])).hexdigest()}))
+"""
+
+
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+def test_the_shared_small_tensor_launch_is_cached_too(tmp_path) -> None:
+    """A model of small fp32 tensors (the quick-start CNN: its biases) took a 4 s compile of the shared
+    launch in every process; now it is loaded from the cache like the other kernels."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _SHARED_CACHE_PROBE], env=env, capture_output=True,
+                                      text=True, check=True).stdout) for _ in range(3)]
+    assert [(r["hits"], r["misses"]) for r in runs] == [(0, 1), (1, 0), (1, 0)]
+    assert runs[1]["result"] == runs[2]["result"]
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")

@@ -775,16 +775,18 @@ def _float_array(address, length):
     return numba.carray(_address(address), length, np.float32)
 
 
-# Not cached: numba's cached copy of this launch was seen to compile the inner call differently from
-# _kernel_serial's own (a row sum's last bits), while compiled here it runs _kernel_serial's very code.
-@numba.njit(parallel=True, **_KERNEL_OPTIONS)
+# Cached like the others. Every small fp32 tensor takes this launch, alone or with others (the step
+# inside backward steps one tensor at a time), so the loop and the step inside backward run the same
+# machine code for it: numba's cached copy of this launch may round a sum differently from
+# _kernel_serial's own launch, which small fp32 tensors therefore never take.
+@_cached_njit(parallel=True, **_KERNEL_OPTIONS)
 def _many_kernel(addresses, sizes, scalars, flags, bad_counts):
-    """The steps of many small fp32 tensors in one launch, one tensor per thread at a time.
+    """The steps of small fp32 tensors in one launch, one tensor per thread at a time.
 
     Per tensor t: ``addresses[t]`` = data addresses of (w, g, signs, row_m, col_m, row_v, col_v),
     ``sizes[t]`` = (n, m, m_cols), ``scalars[t]`` = :func:`_scalars`, ``flags[t]`` = (has_m,
-    zero_bad). Each tensor is one call of :func:`_kernel_serial` — the very code of its own launch,
-    so a shared launch changes no bit. The caller keeps every tensor alive.
+    zero_bad). Each tensor is one call of :func:`_kernel_serial`'s code, so how many tensors share a
+    launch changes no bit. The caller keeps every tensor alive.
     """
     for t in numba.prange(addresses.shape[0]):
         n, m, m_cols = sizes[t, 0], sizes[t, 1], sizes[t, 2]
@@ -848,6 +850,11 @@ def _as_numpy(t: Tensor) -> np.ndarray:
 
 def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
     """The fused step: same contract as :func:`smmf.functional.torch_step_`."""
+    return numba_steps_([(param, grad, state, cfg)])
+
+
+def _own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
+    """A tensor's step in a launch of its own (all but the small fp32 ones)."""
     rows, cols = matrix_shape(param)
     if rows == 0:
         return 0
@@ -958,15 +965,13 @@ def _takes_many(param: Tensor, state: dict[str, Any]) -> bool:
 
 
 def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> int:
-    """The steps of many tensors: the small fp32 ones in one launch, the rest one by one (as is a lone
-    small one — the step inside backward steps one tensor at a time — which then needs no shared launch
-    compiled: its code is the same)."""
+    """The steps of many tensors: the small fp32 ones in one launch (:func:`_many_kernel`, a lone one
+    too), the rest one by one."""
     bad = 0
     rows_of_addresses, sizes, scalars, flags, alive = [], [], [], [], []
-    shared = sum(_takes_many(param, state) for param, _, state, _ in items) > 1
     for param, grad, state, cfg in items:
-        if not (shared and _takes_many(param, state)):
-            bad += numba_step_(param, grad, state, cfg)
+        if not _takes_many(param, state):
+            bad += _own_launch(param, grad, state, cfg)
             continue
         rows, cols = matrix_shape(param)
         grad = grad.contiguous()
