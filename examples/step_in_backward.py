@@ -29,7 +29,7 @@ def train(model: torch.nn.Module, optimizer: SMMF, steps: range) -> float:
         x, y = batch(step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()  # every parameter is stepped, and its gradient freed, in here
-        optimizer.step()  # finds no gradient left: a no-op that keeps lr schedulers' bookkeeping
+        optimizer.step()  # steps nothing while the hooks are installed; keeps lr schedulers' bookkeeping
     return loss.item()
 
 

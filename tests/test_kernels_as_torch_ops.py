@@ -175,3 +175,25 @@ def test_a_step_that_raises_in_its_kernel_leaves_params_and_state_as_they_were(b
     monkeypatch.setattr(smmf.optimizer, "step_kernel", real)
     opt.step()  # and the same step then runs as it would have
     assert all(st["step"] == fail_at + 1 for st in opt.state.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_warning_raised_as_an_error_after_the_kernel_wrote_keeps_the_step_counted(backend: str) -> None:
+    """Under ``-W error`` the non-finite warning raises after the kernel wrote: the step happened, and
+    its count says so."""
+    import warnings
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = SMMF([p], backend=backend)
+    p.grad = torch.randn(8, 8)
+    opt.step()
+    before = p.detach().clone()
+    g = torch.randn(8, 8)
+    g[0, 0] = float("nan")
+    p.grad = g
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="NaN/inf"):
+            opt.step()
+    assert not torch.equal(p, before) and opt.state[p]["step"] == 2

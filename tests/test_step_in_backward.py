@@ -255,6 +255,21 @@ def test_a_layout_option_changed_mid_run_is_refused_before_anything_changes(chan
     assert _unchanged(m, opt, before)
     opt.param_groups[0][key] = old
     opt.load_state_dict(opt.state_dict())  # its own checkpoint still loads
+    if in_backward:  # the refused backward's gradients are not folded into the next one's
+        with pytest.raises(RuntimeError, match="Call reset"):
+            m(torch.randn(2, 6)).sum().backward()
+        assert _unchanged(m, opt, before)
+        opt._step_in_backward.reset()
+    opt.zero_grad()
+    ref = copy.deepcopy(m)
+    opt_ref = SMMF(ref.parameters())
+    opt_ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+    x = torch.randn(2, 6)
+    m(x).sum().backward()
+    opt.step()
+    ref(x).sum().backward()
+    opt_ref.step()
+    assert _same(m, ref)
 
 
 def _branchy() -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
@@ -334,6 +349,17 @@ def _shared_segments(use_reentrant: bool, outside: bool):
     return shared, loss
 
 
+def _shared_segments_match_the_loop(shared, loss, opt: SMMF, ref, ref_loss, opt_ref: SMMF, steps: range) -> None:
+    for step in steps:
+        loss(step).backward()
+        assert shared.weight.grad is None
+        ref_loss(step).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    assert opt.state[shared.weight]["step"] == steps.stop
+    assert _same(shared, ref)
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_a_layer_shared_by_checkpointed_segments_is_stepped_once_per_backward(use_reentrant: bool) -> None:
     shared, loss = _shared_segments(use_reentrant, outside=False)
@@ -341,14 +367,7 @@ def test_a_layer_shared_by_checkpointed_segments_is_stepped_once_per_backward(us
     opt = SMMF(shared.parameters(), lr=1e-2)
     opt_ref = SMMF(ref.parameters(), lr=1e-2)
     step_in_backward(opt)
-    for step in range(3):
-        loss(step).backward()
-        assert shared.weight.grad is None
-        ref_loss(step).backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-    assert opt.state[shared.weight]["step"] == 3
-    assert _same(shared, ref)
+    _shared_segments_match_the_loop(shared, loss, opt, ref, ref_loss, opt_ref, range(3))
 
 
 def test_reentrant_checkpointing_of_a_layer_also_used_outside_is_refused_loudly() -> None:
@@ -364,14 +383,7 @@ def test_reentrant_checkpointing_of_a_layer_also_used_outside_is_refused_loudly(
     ref.load_state_dict(shared.state_dict())
     opt_ref = SMMF(ref.parameters(), lr=1e-2)
     opt_ref.load_state_dict(opt.state_dict())
-    for step in range(1, 4):
-        loss(step).backward()
-        assert shared.weight.grad is None
-        ref_loss(step).backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-    assert opt.state[shared.weight]["step"] == 4
-    assert _same(shared, ref)
+    _shared_segments_match_the_loop(shared, loss, opt, ref, ref_loss, opt_ref, range(1, 4))
 
 
 class _FailOnce(torch.autograd.Function):
@@ -426,3 +438,48 @@ def test_after_an_exception_in_backward_the_next_backward_refuses_until_reset(k:
         opt_ref.step()
         opt_ref.zero_grad()
     assert _same(model, ref)
+
+
+def test_a_failure_inside_a_reentrant_checkpoint_is_seen_by_the_next_backward() -> None:
+    """The exception kept alive (a logger, a REPL) keeps the failed graph alive: still refused."""
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(4, 4)
+    opt = SMMF(inner.parameters())
+    handle = step_in_backward(opt)
+
+    def loss(step: int) -> torch.Tensor:
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        return torch.utils.checkpoint.checkpoint(lambda t: inner(_FailOnce.apply(t)), x, use_reentrant=True).sum()
+
+    loss(0).backward()
+    _FailOnce.armed = True
+    errors = []
+    try:
+        loss(1).backward()
+    except ValueError as error:
+        errors.append(error)
+    before = _snapshot(inner, opt)
+    with pytest.raises(RuntimeError, match="Call reset"):
+        loss(2).backward()
+    assert _unchanged(inner, opt, before)
+    handle.reset()
+    loss(3).backward()
+    assert opt.state[inner.weight]["step"] == 2 and inner.weight.grad is None
+
+
+def test_a_failure_of_the_step_that_closes_a_window_is_refused_until_reset() -> None:
+    """k=2, a sparse embedding reached only by the first micro-batch: its step, when the second
+    backward ends, raises; the next backward refuses, and reset() drops its gradient."""
+    torch.manual_seed(0)
+    emb, lin = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1)
+    opt = SMMF([*emb.parameters(), *lin.parameters()])
+    handle = step_in_backward(opt, accumulation_steps=2)
+    lin(emb(torch.tensor([1, 2]))).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        lin(torch.randn(2, 4)).sum().backward()
+    before = _snapshot(lin, opt)
+    with pytest.raises(RuntimeError, match="Call reset"):
+        lin(torch.randn(2, 4)).sum().backward()
+    assert _unchanged(lin, opt, before)
+    handle.reset()
+    assert emb.weight.grad is None

@@ -60,13 +60,32 @@ def _enclosing_backward_node() -> Any:
 
 class _EndOfBackward:
     """Queued on the outermost backward; the engine drops it unrun when that backward raises, so a
-    dead weak reference to it means the backward failed."""
+    dead weak reference to it means the backward failed. Until it is queued (a backward whose first
+    hook fired in a reentrant one), the graph task it was made in tells a later backward apart."""
 
     def __init__(self, owner: StepInBackward) -> None:
         self.owner = owner
+        self.graph_task = torch._C._current_graph_task_id()  # ids grow: a later backward's are larger
+        self.queued = False
+
+    def queue(self) -> None:
+        if not self.queued:
+            self.queued = True
+            _ENGINE.queue_callback(self)
 
     def __call__(self) -> None:
         self.owner._end_of_backward()
+
+
+class _EndOfReentrant:
+    """Queued on each reentrant backward that reaches a hook: run, it closes; dropped unrun, that
+    backward (and so the outer one) raised."""
+
+    def __init__(self, owner: StepInBackward, graph_task: int) -> None:
+        self.owner, self.graph_task = owner, graph_task
+
+    def __call__(self) -> None:
+        self.owner._reentrant_open.pop(self.graph_task, None)
 
 
 class StepInBackward:
@@ -84,6 +103,7 @@ class StepInBackward:
         self._reentrant: set[Tensor] = set()  # got a gradient inside a reentrant backward, ever
         self._late: set[Tensor] = set()  # got gradient after their step in the running backward
         self._failed = False  # a backward ended in an error: reset() before the next one
+        self._reentrant_open: dict[int, weakref.ref[_EndOfReentrant]] = {}  # by graph task id
         self._groups: tuple[tuple[int, ...], dict[Tensor, dict[str, Any]]] = ((), {})
         self._layouts: dict[int, tuple[Any, ...]] = {}  # each group's layout options at the last backward
         for group in optimizer.param_groups:
@@ -128,6 +148,7 @@ class StepInBackward:
             self._micro, self._ending, self._failed = 0, None, False
             self._stepped.clear()
             self._late.clear()
+            self._reentrant_open.clear()
 
     def _group_of(self, param: Tensor) -> dict[str, Any]:
         """The param's group as the optimizer holds it now (``load_state_dict`` replaces the dicts)."""
@@ -156,19 +177,41 @@ class StepInBackward:
 
     def _note_backward(self, enclosing: Any) -> None:
         """Make sure the end of the outermost backward is seen; refuse to go on after a failed one."""
-        if self._ending is not None and self._ending() is not None:
-            return  # this backward's end is queued (or about to be)
+        if any(end() is None for end in self._reentrant_open.values()):
+            self._failed = True  # a reentrant backward raised: so did the one around it
+        if enclosing is not None and not self._failed:
+            graph_task = torch._C._current_graph_task_id()
+            if graph_task not in self._reentrant_open:
+                end = _EndOfReentrant(self, graph_task)
+                self._reentrant_open[graph_task] = weakref.ref(end)
+                _ENGINE.queue_callback(end)
+        ending = self._ending() if self._ending is not None else None
+        if ending is not None and not self._failed:
+            if ending.queued:
+                return  # this backward's end is queued
+            if enclosing is not None:
+                return  # another reentrant backward inside the same outer one
+            if torch._C._current_graph_task_id() < ending.graph_task:
+                ending.queue()  # the outer backward that the reentrant one ran inside
+                return
+            # An outer backward started after the one that made ``ending``: that one raised before
+            # its end was queued (its graph, kept alive by the caller, still holds ``ending``).
         if self._ending is not None or self._failed:
+            self._failed = True
             raise RuntimeError(
                 "a backward pass raised before step_in_backward's window ended: the parameters it had stepped "
                 "stay stepped, the others hold partial gradients. Call reset() on the handle step_in_backward "
                 "returned to discard them, then go on."
             )
-        self._check_layouts()
+        try:
+            self._check_layouts()
+        except RuntimeError:
+            self._failed = True  # this backward's first gradient is in: reset() drops it
+            raise
         ending = _EndOfBackward(self)
         self._ending = weakref.ref(ending)
         if enclosing is None:
-            _ENGINE.queue_callback(ending)
+            ending.queue()
             return
         # In a reentrant backward a callback would run at its end, not the outermost's: queue it from
         # the outer backward, when a node that takes the enclosing node's gradients runs.
@@ -178,7 +221,7 @@ class StepInBackward:
             for handle in handles:
                 handle.remove()
             if self._ending is not None and self._ending() is ending:
-                _ENGINE.queue_callback(ending)
+                ending.queue()
 
         handles.extend(node.register_prehook(queue_on_outer) for node, _ in enclosing.next_functions if node is not None)
 
@@ -214,7 +257,11 @@ class StepInBackward:
             self._micro = 0
             # What the hooks left: params this micro-batch did not reach, and those deferred by reentrancy.
             left = [(group, p) for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-            self.optimizer.step_params(left)
+            try:
+                self.optimizer.step_params(left)
+            except BaseException:
+                self._failed = True  # their gradients stay for reset() to drop
+                raise
             for _, param in left:
                 param.grad = None
 

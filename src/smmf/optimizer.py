@@ -348,7 +348,9 @@ class SMMF(Optimizer):
         Like an in-place torch op, it bumps the version of every tensor it writes, so autograd
         refuses a graph that saved a weight before the step. A step that raises before its kernels
         write (a bad gradient or state, a kernel that fails to compile or dispatch) leaves the
-        params, their state and its ``step`` count as they were."""
+        params, their state and its ``step`` count as they were. (A launch of many tensors that
+        failed part-way would have its counts restored too; no kernel is known to fail after
+        writing.)"""
         # Check everything before touching anything: a rejected step changes no param or state.
         work = []
         for group, param in params:
@@ -376,17 +378,19 @@ class SMMF(Optimizer):
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP]))
                 batched = getattr(kernel, "batched", None)
                 if batched is None:
-                    self._nonfinite.report(kernel(param, param.grad, state, cfg))
+                    nonfinite = kernel(param, param.grad, state, cfg)
                     pending.pop()
                     _mark_written(kernel, param, state)
+                    self._nonfinite.report(nonfinite)
                 else:
                     batches.setdefault(batched, []).append((param, param.grad, state, cfg))
             for batched, items in batches.items():
-                self._nonfinite.report(batched(items))
+                nonfinite = batched(items)
                 for param, _, state, _ in items:
                     _mark_written(batched, param, state)
                 done = {id(param) for param, *_ in items}
                 pending = [entry for entry in pending if id(entry[0]) not in done]
+                self._nonfinite.report(nonfinite)
         except BaseException:
             for param, before in pending:
                 if before:

@@ -160,7 +160,8 @@ def _refuse_layout_change() -> None:
     raise RuntimeError(
         "a parameter's SMMF state was made under other group options than it has now: beta to or from None, "
         "vector_reshape, momentum_shape and magnitude_bits decide the state's layout and cannot change mid-run. "
-        "Set them back, or build a new optimizer"
+        "Set them back, or build a new optimizer (or, if the parameter's .data was replaced by another shape, "
+        "a new optimizer for it)"
     )
 
 
