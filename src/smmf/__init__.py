@@ -4,4 +4,4 @@ from .backward import StepInBackward, step_in_backward
 from .optimizer import SMMF
 
 __all__ = ["SMMF", "step_in_backward", "StepInBackward", "__version__"]
-__version__ = "0.1.0"
+__version__ = "0.3.0.dev0"  # the one place the version is written (pyproject.toml reads it)

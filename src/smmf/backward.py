@@ -27,6 +27,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -50,7 +51,7 @@ def _enclosing_backward_node() -> Any:
     """The node of the outermost backward whose own backward launched the one running now (reentrant
     checkpointing), or ``None`` when the running backward is the outermost."""
     node = None
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _FUNCTION_BACKWARD:
             node = frame.f_locals.get("self")

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .functional import (
+    Nonfinite,
     StepConfig,
     decompress_momentum,
     factor_sums,
@@ -39,8 +40,6 @@ __all__ = ["Band", "fused_sharded_step_", "sharded_step_"]
 
 # Sums partial row/column sums across the ranks that share a matrix.
 Reducer = Callable[[list[Tensor]], list[Tensor]]
-# What a step reports of NaN/inf gradient elements: a count, a CUDA counter not yet read, or nothing.
-Nonfinite = Union[int, Tensor, None]
 
 
 @dataclass(frozen=True)
@@ -175,6 +174,7 @@ def _fused_flag_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any],
     the shards' sums added up after each. The first pass's |M| sums make the new factors, which the
     second encodes against; the second's level sums make the levels; V's sums come from the pass
     that steps the weights (numba: the first, or the second with L2 decay; Triton: the second)."""
+    flag_pass: Callable[..., Nonfinite]
     if weight.is_cuda:
         from .kernels.triton_gpu import triton_flag_shard_pass_ as flag_pass
     else:

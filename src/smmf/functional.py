@@ -12,7 +12,7 @@ same algorithm on their band of rows in :mod:`smmf.distributed`; the fused kerne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ __all__ = ["StepConfig", "torch_step_", "write_back_"]
 
 # The update of the factored state from a flat gradient: returns the flat step direction.
 MatrixUpdate = Callable[[Tensor, dict[str, Any], "StepConfig"], Tensor]
+# What a step reports: the NaN/inf gradient elements it met (a number, a CUDA tensor the optimizer
+# reads a step later, or None when it did not count them).
+Nonfinite = Union[int, Tensor, None]
 
 
 @dataclass(frozen=True)

@@ -363,14 +363,14 @@ class SMMF(Optimizer):
                 check_state_fits(param, group, state)
             else:
                 state = init_state(param, group)
-            work.append((group, param, state, step_kernel(group["backend"], param, state)))
+            work.append((group, param, grad, state, step_kernel(group["backend"], param, state)))
         self._nonfinite.poll()
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
         batches: dict[Callable[..., Any], list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
         configs: dict[tuple[int, int], StepConfig] = {}
         pending = []  # (param, its state before) of the steps not yet run: restored if one raises
         try:
-            for group, param, state, kernel in work:
+            for group, param, grad, state, kernel in work:
                 pending.append((param, self.state.get(param)))
                 self.state[param] = state
                 state[STEP] += 1
@@ -378,12 +378,12 @@ class SMMF(Optimizer):
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP]))
                 batched = getattr(kernel, "batched", None)
                 if batched is None:
-                    nonfinite = kernel(param, param.grad, state, cfg)
+                    nonfinite = kernel(param, grad, state, cfg)
                     pending.pop()
                     _mark_written(kernel, param, state)
                     self._nonfinite.report(nonfinite)
                 else:
-                    batches.setdefault(batched, []).append((param, param.grad, state, cfg))
+                    batches.setdefault(batched, []).append((param, grad, state, cfg))
             for batched, items in batches.items():
                 nonfinite = batched(items)
                 for param, _, state, _ in items:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..functional import StepConfig, torch_step_
+from ..functional import Nonfinite, StepConfig, torch_step_
 from ..sharding import is_dtensor, shard_info
 from ..state import EXP_AVG_SQ, momentum_code, real_view
 
@@ -21,7 +21,8 @@ __all__ = ["BACKENDS", "available_backends", "check_backend", "step_kernel"]
 
 BACKENDS = ("auto", "torch", "numba", "triton")
 
-StepKernel = Callable[[Tensor, Tensor, dict[str, Any], StepConfig], None]
+# A kernel updates (param, grad, state, cfg) in place and reports the NaN/inf gradient elements it met.
+StepKernel = Callable[[Tensor, Tensor, dict[str, Any], StepConfig], Nonfinite]
 
 
 @functools.lru_cache(maxsize=None)

@@ -919,6 +919,7 @@ def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig
     w, g = _as_numpy(weight), _as_numpy(grad)
     scalars = tuple(scalar(x) for x in _scalars(cfg, rows * cols, dtype))
     fits = None
+    args: tuple[Any, ...]
     if has_m and FLAG_M in state:
         row_m, col_m = state[ROW_M].numpy(), state[COL_M].numpy()
         kernel = _FLAG_KERNELS[parallel]
