@@ -1,6 +1,6 @@
 """The magnitude flag's fused CPU step against the fused SMMF step of the day issue #11 set its target
 ("≤ 1.3× today's fused SMMF on the 52M shape set"), and against today's: one process, the optimizers
-timed round-robin on the same parameters (``smmf.bench.step_time.interleaved_medians``), with fused
+timed round-robin on the same parameters (``smmf.bench.bench.interleaved_medians``), with fused
 Adam and the axpy limit beside them. The old package is taken from git (``--commit``, default the
 main branch when the issue was filed) into a temporary directory and imported under another name.
 
@@ -22,7 +22,7 @@ import torch
 
 from smmf import SMMF
 from smmf.bench.shapes import make_params
-from smmf.bench.step_time import SHAPE_SETS, interleaved_medians, set_threads
+from smmf.bench.bench import SHAPE_SETS, interleaved_medians, set_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 

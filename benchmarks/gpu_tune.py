@@ -19,7 +19,7 @@ import torch
 import smmf.optimizer as optimizer_module
 from smmf import SMMF
 from smmf.bench.shapes import make_params
-from smmf.bench.step_time import SHAPE_SETS, _timed
+from smmf.bench.bench import SHAPE_SETS, _timed
 from smmf.kernels import triton_gpu
 from smmf.matrix import square_matricize_shape
 

@@ -1,6 +1,6 @@
 """Step time and peak memory: SMMF vs Adam and Adafactor (same as ``smmf bench``)."""
 
-from smmf.bench.step_time import main
+from smmf.bench.bench import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

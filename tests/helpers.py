@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
 import torch
 from torch import Tensor
 
@@ -135,3 +141,39 @@ def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, 
                     flips = (unpack_signs(state["sign_m"], numel) != unpack_signs(whole_state["sign_m"], numel)).sum()
                     assert flips.item() <= max(1, 1e-3 * numel), flips  # |M| at float noise may differ
                 p, state = whole, whole_state  # go on from identical inputs
+
+
+STATE_TENSORS = ("row_m", "col_m", "sign_m", "row_v", "col_v")
+
+
+def run_script(source: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(source), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def snapshot_of(opt: SMMF, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+
+
+def assert_unchanged(opt: SMMF, params: list[torch.Tensor], saved: tuple[list[torch.Tensor], dict]) -> None:
+    before_params, before = saved
+    assert all(torch.equal(p, b) for p, b in zip(params, before_params))
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert after["state"].keys() == before["state"].keys()
+    for pid, st in before["state"].items():
+        assert after["state"][pid].keys() == st.keys()
+        for key, value in st.items():
+            got = after["state"][pid][key]
+            assert type(got) is type(value) and torch.equal(torch.as_tensor(got), torch.as_tensor(value)), key
+
+
+def trained_smmf(backend: str = "torch", steps: int = 3, **options) -> tuple[list[torch.nn.Parameter], SMMF]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(12))]
+    opt = SMMF(params, lr=1e-2, backend=backend, **options)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return params, opt

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from smmf.bench.shapes import gpt2_like_shapes, gpt2_xl_like_shapes, gpt2_xl_subset_shapes, make_params
-from smmf.bench.step_time import LIMIT, extra_peak_ratio, format_results, interleaved_medians, optim_map
+from smmf.bench.bench import LIMIT, extra_peak_ratio, format_results, interleaved_medians, optim_map
 from smmf.kernels import available_backends
 
 

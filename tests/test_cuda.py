@@ -153,7 +153,7 @@ def test_bf16_stochastic_rounding_keeps_updates_below_half_an_ulp() -> None:
 
 def test_measured_cuda_state_matches_the_prediction() -> None:
     """`smmf memory --measure cuda` on one of the paper's rows: SMMF within 1% of the 512-B prediction."""
-    from smmf.bench.paper_memory import PAPER_TABLES, measure_row
+    from smmf.bench.memory import PAPER_TABLES, measure_row
 
     table = next(t for t in PAPER_TABLES if t.title == "Fine-tuning")
     row = next(r for r in table.rows if r.spec.name == "ALBERT-base-v2")

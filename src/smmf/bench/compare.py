@@ -23,6 +23,7 @@ import torch
 from ..memory import state_bytes
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
+from .plots import by_run, plot_all
 from .fresh_process import report, run_child
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
@@ -149,14 +150,6 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.4g} ± {statistics.stdev(values):.2g}"
 
 
-def by_run(results: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """The results of each (task, optimizer), one per seed, in order of first appearance."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in results:
-        groups.setdefault((r["task"], r["optimizer"]), []).append(r)
-    return groups
-
-
 def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     """One row per (task, optimizer): every figure as mean ± std over the seeds it ran on."""
     headers = ["task", "optimizer", "seeds", "metric", "final", "best", f"train loss@{LOSS_AT} (worst seed)",
@@ -181,8 +174,6 @@ def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[An
 
 
 def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
-    from .plots import plot_all
-
     out.mkdir(parents=True, exist_ok=True)
     headers, rows = summary_rows(results)
     (out / "results.md").write_text(

@@ -7,6 +7,14 @@ from pathlib import Path
 from typing import Any
 
 
+def by_run(results: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The results of each (task, optimizer), one per seed, in order of first appearance."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["task"], r["optimizer"]), []).append(r)
+    return groups
+
+
 def _smooth(values: list[float], window: int) -> list[float]:
     out, acc = [], 0.0
     for i, v in enumerate(values):
@@ -29,8 +37,6 @@ def plot_all(results: list[dict[str, Any]], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .compare import by_run
 
     groups = by_run(results)
     tasks = list(dict.fromkeys(r["task"] for r in results))

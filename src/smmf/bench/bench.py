@@ -1,4 +1,4 @@
-"""Step time, bandwidth and extra peak memory of SMMF against the strongest torch baselines.
+"""``smmf bench``: step time, bandwidth and extra peak memory of SMMF against the strongest torch baselines.
 
 From one run, with the candidates interleaved round by round (so that a noisy moment hits all of
 them): each optimizer's median step time, as a ratio to the strongest Adam on the device
@@ -98,11 +98,6 @@ def _timed(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start
 
 
-def median_step_seconds(factory: OptimFactory, params: list[torch.nn.Parameter], repeats: int, device: str) -> float:
-    """One optimizer alone: the median of ``repeats`` steps after two untimed ones."""
-    return interleaved_medians({"one": factory}, params, repeats, device, limit=False)["one"]
-
-
 def interleaved_medians(
     factories: dict[str, OptimFactory], params: list[torch.nn.Parameter], repeats: int, device: str, limit: bool = True
 ) -> dict[str, float]:
@@ -178,7 +173,7 @@ def _peak_child(name: str) -> None:
 
 def extra_peak_ratio(name: str) -> float:
     # Large temporaries must come from (and go back to) mmap, so that RSS sees each step afresh.
-    result = run_child("smmf.bench.step_time", ["--peak-child", name], f"the peak of one {name} step", 65536)
+    result = run_child("smmf.bench.bench", ["--peak-child", name], f"the peak of one {name} step", 65536)
     return result["extra_bytes"] / result["param_bytes"]
 
 

@@ -86,7 +86,6 @@ PAPER_TABLES: list[PaperTable] = [
 ]
 
 UNITS = {"MiB": 2**20, "GiB": 2**30}
-MEASURED_OPTIMIZERS = {"adam": "torch.optim.Adam", "smmf": "smmf.SMMF"}
 
 
 def measure_row(row: PaperRow, unit: str, device: Optional[str] = None) -> list[dict[str, Any]]:

@@ -1,0 +1,78 @@
+"""The command line: an error is one line with exit status 2, before any work; an optional
+dependency that is missing skips its row with a note."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+
+
+# CLI errors: one line, exit status 2, before any work.
+
+CLI_CASES = {
+    "config missing": (["memory", "--config", "/nonexistent.json"], "No such file"),
+    "config a directory": (["memory", "--config", "/"], "Is a directory"),
+    "config malformed": (["memory", "--config", "{tmp}/bad.json"], "not valid JSON"),
+    "config a list": (["memory", "--config", "{tmp}/list.json"], "a JSON object with a 'model_type'"),
+    "config unknown type": (["memory", "--config", "{tmp}/unknown.json"], "unknown model_type 'nope'"),
+    "memory unknown model": (["memory", "--model", "nope"], "--model: unknown 'nope'"),
+    "opt-args not a number": (["compare", "--opt-args", "smmf:lr=abc"], "lr should be a number but is: 'abc'"),
+    "opt-args unknown key": (["compare", "--opt-args", "smmf:foo=1"], "unexpected keyword argument 'foo'"),
+    "opt-args no colon": (["compare", "--opt-args", "smmflr=1"], "expects NAME:key=value"),
+    "opt-args after adam": (["compare", "--optimizers", "adam,smmf", "--opt-args", "smmf:lr=abc"], "lr should be"),
+    "opt-args unlisted optimizer": (["compare", "--optimizers", "adam", "--opt-args", "smmf:lr=1"], "not among"),
+    "compare device": (["compare", "--device", "nope"], "invalid choice: 'nope'"),
+    "compare no tasks": (["compare", "--tasks", ","], "--tasks names nothing"),
+    "compare unknown task": (["compare", "--tasks", "digits-cnn,nope"], "--tasks: unknown 'nope'"),
+    "compare negative steps": (["compare", "--steps", "-5"], "--steps must be at least 1, got -5"),
+    "compare zero steps": (["compare", "--steps", "0"], "--steps must be at least 1, got 0"),
+    "compare zero seeds": (["compare", "--seeds", "0"], "--seeds must be at least 1, got 0"),
+    "compare unwritable out": (["compare", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write"),
+    "bench unknown set": (["bench", "--sets", "nope"], "--sets: unknown 'nope'"),
+    "bench one unknown set": (["bench", "--sets", "resnet50,nope"], "--sets: unknown 'nope'"),
+    "bench zero repeats": (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+    "bench zero threads": (["bench", "--threads", "0"], "--threads must be between 1 and"),
+}
+if not torch.cuda.is_available():
+    CLI_CASES |= {
+        "compare cuda": (["compare", "--device", "cuda"], "needs a CUDA device"),
+        "bench cuda": (["bench", "--device", "cuda"], "needs a CUDA device"),
+        "memory measure cuda": (["memory", "--measure", "cuda"], "needs a CUDA device"),
+    }
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_cli_error_is_one_line_exit_2_before_any_work(case: str, tmp_path, monkeypatch, capsys) -> None:
+    pytest.importorskip("transformers")
+    from smmf import cli
+    from smmf.bench import bench, compare, memory
+
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "unknown.json").write_text('{"model_type": "nope"}')
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    for module in (compare, memory, bench):
+        monkeypatch.setattr(module, "run", no_work)
+    monkeypatch.setattr(memory, "config_report", no_work)
+    argv, match = CLI_CASES[case]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([arg.replace("{tmp}", str(tmp_path)) for arg in argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("smmf"), err
+    assert match in err
+
+
+def test_memory_without_peft_skips_the_lora_row_with_a_note(monkeypatch, capsys) -> None:
+    pytest.importorskip("transformers")
+    from smmf.bench import memory
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if the [bench] extra were not installed
+    assert memory.main(memory.build_parser().parse_args(["--model", "LLaMA-7b LoRA"])) == 0
+    assert "LLaMA-7b LoRA: skipped, it needs peft (pip install 'smmf[bench]')" in capsys.readouterr().out
