@@ -160,3 +160,65 @@ def test_measured_cuda_state_matches_the_prediction() -> None:
     entries = {e["optimizer"]: e for e in measure_row(row, table.unit, "cuda")}
     assert abs(entries["smmf"]["measured_vs_ours_pct"]) < 1.0
     assert abs(entries["adam"]["measured_vs_ours_pct"]) < 1.0
+
+
+def _cuda_net(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 8)).to("cuda", dtype)
+
+
+def _cuda_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 64, generator=gen).to("cuda", next(model.parameters()).dtype)
+    return model(x).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("options", [{}, {"momentum_shape": "natural"}, {"magnitude_bits": 1}],
+                         ids=["paper", "natural", "flag"])
+def test_step_in_backward_on_cuda_equals_the_loop(k: int, options: dict) -> None:
+    """The hooks fire on the autograd engine's CUDA thread: the Triton step there equals the loop's."""
+    from smmf import step_in_backward
+
+    loop, hooked = _cuda_net(), _cuda_net()
+    opt_loop = SMMF(loop.parameters(), lr=1e-2, **options)
+    opt = SMMF(hooked.parameters(), lr=1e-2, **options)
+    step_in_backward(opt, accumulation_steps=k)
+    for window in range(4):
+        for micro in range(k):
+            _cuda_loss(loop, window * k + micro).backward()
+            _cuda_loss(hooked, window * k + micro).backward()
+        opt_loop.step()
+        opt_loop.zero_grad()
+        assert all(p.grad is None for p in hooked.parameters())
+    for p, q in zip(loop.parameters(), hooked.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_the_triton_step_bumps_the_versions_autograd_checks() -> None:
+    net = _cuda_net()
+    opt = SMMF(net.parameters())
+    loss = _cuda_loss(net, 0)
+    loss.backward(retain_graph=True)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_compiled_training_step_on_cuda_equals_eager() -> None:
+    def run(compiled: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        net = _cuda_net()
+        opt = SMMF(net.parameters(), lr=1e-2)
+
+        def train_step(step: int) -> None:
+            _cuda_loss(net, step).backward()
+            opt.step()
+            opt.zero_grad()
+
+        fn = torch.compile(train_step, backend="aot_eager") if compiled else train_step
+        for step in range(3):
+            fn(step)
+        return [p.detach().clone() for p in net.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
