@@ -57,7 +57,7 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
     bit_arrays = 2 if options.get("magnitude_bits") else 1  # sign bits, and the flag's
     assert len(result["bit_bytes"]) > 0 and len(result["bit_bytes"]) % bit_arrays == 0
     assert all(b > 0 for b in result["bit_bytes"])
-    # Shards take the fused kernel where numba is installed (a single fused pass, #13; the flag's two).
+    # Shards take the fused kernel where numba is installed (a single fused pass; the flag's two).
     fused = "numba" in available_backends()
     assert result["paths"] == (["fused_sharded_step_"] if fused else ["sharded_step_"])
 
@@ -66,8 +66,8 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
                     reason="needs numba and Linux /proc")
 @pytest.mark.parametrize("options", [{}, FSDP2_OPTIONS["natural+flag"]], ids=["paper", "natural+flag"])
 def test_fsdp2_shards_take_the_fused_pass_without_temporaries(tmp_path, monkeypatch, options: dict) -> None:
-    """#13 (and #11 for the flag): a shard's step used to go through the torch path (~4× the shard
-    in temporaries)."""
+    """A shard's step used to go through the torch path (~4× the shard in temporaries), the magnitude
+    flag's too."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # large temporaries visible to RSS
     _spawn(dist_workers.fsdp2_peak_worker, tmp_path, options)
     extra = torch.load(tmp_path / "fsdp2_peak.pt")

@@ -217,7 +217,7 @@ def test_the_shared_small_tensor_launch_is_cached_too(tmp_path) -> None:
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
 def test_the_kernels_compile_once_and_fresh_processes_load_them_from_the_cache(tmp_path) -> None:
-    """#13: the first fused step of every process used to compile the kernels (seconds, and ~100 MiB
+    """The first fused step of every process used to compile the kernels (seconds, and ~100 MiB
     of RSS); now the first process on a machine compiles and caches them, the next ones load them."""
     import json
     import os
