@@ -42,7 +42,7 @@ from ..functional import StepConfig
 from ..matrix import factor_sum_cap
 from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape, momentum_cols
 
-__all__ = ["numba_shard_step_", "numba_step_"]
+__all__ = ["numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_"]
 
 
 @intrinsic

@@ -67,7 +67,7 @@ from torch import Tensor
 from ..functional import StepConfig
 from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape, momentum_cols, real_view
 
-__all__ = ["triton_shard_step_", "triton_step_", "triton_steps_"]
+__all__ = ["triton_flag_shard_pass_", "triton_shard_step_", "triton_step_", "triton_steps_"]
 
 # Tile shape and rows per work item. A tile of 4096 elements keeps enough bytes in flight per SM
 # to be bandwidth-bound; BLOCK_COLS is a multiple of 32 (the unaligned sign path packs 32 bits at a
