@@ -234,7 +234,8 @@ class SMMF(Optimizer):
             params — FSDP2 shards included — each when installed; the
             torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
             CPU), or one of ``"torch"``, ``"numba"``,
-            ``"triton"``, which raises for a param it cannot take (default: ``"auto"``).
+            ``"triton"``, which raises for a param of a device or dtype it cannot take (dense 1-D state
+            and complex CPU params take the torch path whatever is named) (default: ``"auto"``).
 
     .. note::
         The sign matrix is stored 8 signs per byte (uint8), as the paper counts it; the

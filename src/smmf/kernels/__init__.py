@@ -65,7 +65,8 @@ def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKerne
     rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU. Both
     kernels take every code of M (:func:`smmf.state.momentum_code`). DTensor (FSDP2) parameters take
     the same kernels over their shard (every code; Triton: real dtypes), the rest the sharded torch
-    path. A named backend that cannot take ``param`` raises ``RuntimeError``.
+    path. A named fused backend that cannot take ``param``'s device or dtype raises ``RuntimeError``;
+    dense 1-D state and complex CPU params take the torch path whatever backend is named.
     """
     if is_dtensor(param):
         from ..distributed import fused_sharded_step_, sharded_step_

@@ -775,7 +775,7 @@ def _float_array(address, length):
     return numba.carray(_address(address), length, np.float32)
 
 
-# Cached like the others. Every small fp32 tensor takes this launch, alone or with others (the step
+# Cached like the others. Every small fp32 tensor it takes (:func:`_takes_many`) takes it alone or with others (the step
 # inside backward steps one tensor at a time), so the loop and the step inside backward run the same
 # machine code for it: numba's cached copy of this launch may round a sum differently from
 # _kernel_serial's own launch, which small fp32 tensors therefore never take.
