@@ -233,7 +233,7 @@ def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Ba
         return band.owned(g) / denom
     if FLAG_M in state:  # the flag needs the new factors: its level sums take a second all-reduce
         estimate = torch.outer(state[ROW_M][m_band.row0 : m_band.row1], state[COL_M])
-        above, level_sums = magnitude_flag_fit(m_band.owned(magnitude), m_band.owned(estimate), state[ROW_V].numel() * state[COL_V].numel())
+        above, level_sums = magnitude_flag_fit(m_band.owned(magnitude), m_band.owned(estimate), band.rows * band.cols)
         _store_bits_(state[FLAG_M], above)
         state[LEVELS_M].copy_(flag_levels(reduce([level_sums])[0]))
     return m_band.owned(m) / denom

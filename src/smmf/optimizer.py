@@ -305,9 +305,8 @@ class SMMF(Optimizer):
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise
-        hooks = getattr(self, "_step_in_backward", None)
-        if hooks is not None:
-            hooks.attach(self.param_groups[-1]["params"])
+        if self._step_in_backward is not None:
+            self._step_in_backward.attach(self.param_groups[-1]["params"])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

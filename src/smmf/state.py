@@ -143,10 +143,9 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
         got, need = (state[ROW_V].shape[0], state[COL_V].shape[0]), (rows, cols)
         if got == need and ROW_M in state:  # M's own view (natural shape) must fit too
             got, need = (state[ROW_M].shape[0], state[COL_M].shape[0]), momentum_matrix_shape(param, group)
-            if got != need and got == momentum_matrix_shape(param, {**group, "momentum_shape": "square"}):
-                _refuse_layout_change()
-            if got != need and got == momentum_matrix_shape(param, {**group, "momentum_shape": "natural"}):
-                _refuse_layout_change()
+            if got != need and any(got == momentum_matrix_shape(param, {**group, "momentum_shape": shape})
+                                   for shape in MOMENTUM_SHAPES):
+                _refuse_layout_change()  # M was laid out under the other momentum_shape
         if got == need and all(key not in state or is_dtensor(state[key])
                                or state[key].shape[0] == packed_sign_bytes(rows * cols) for key in (SIGN_M, FLAG_M)):
             return

@@ -775,10 +775,10 @@ def _float_array(address, length):
     return numba.carray(_address(address), length, np.float32)
 
 
-# Cached like the others. Every small fp32 tensor it takes (:func:`_takes_many`) takes it alone or with others (the step
-# inside backward steps one tensor at a time), so the loop and the step inside backward run the same
-# machine code for it: numba's cached copy of this launch may round a sum differently from
-# _kernel_serial's own launch, which small fp32 tensors therefore never take.
+# Cached like the others. A tensor that :func:`_takes_many` accepts always takes this launch, alone (the
+# step inside backward steps one tensor at a time) or with others, never _kernel_serial's own: numba's
+# cached copy of this launch may round a sum differently from that one, and the loop and the step
+# inside backward must run the same machine code.
 @_cached_njit(parallel=True, **_KERNEL_OPTIONS)
 def _many_kernel(addresses, sizes, scalars, flags, bad_counts):
     """The steps of small fp32 tensors in one launch, one tensor per thread at a time.
