@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import FUSED_BACKENDS, ZOO_SHAPES, device_of, reconstruct_state, state_tensors_bytes
+from helpers import FUSED_BACKENDS, ZOO_SHAPES, device_of, reconstruct_state, run_script, state_tensors_bytes
 from smmf import SMMF
 from smmf.kernels import available_backends, check_backend, step_kernel
 from smmf.functional import torch_step_
@@ -199,18 +199,20 @@ print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.ca
 """
 
 
+def _probe(source: str, cache_dir, **env: str) -> tuple[dict, str]:
+    """Run a cache probe in a fresh process with ``cache_dir`` as numba's cache: its JSON line, its stderr."""
+    import json
+
+    out = run_script(source, env={"NUMBA_CACHE_DIR": str(cache_dir), **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
 def test_the_shared_small_tensor_launch_is_cached_too(tmp_path) -> None:
     """A model of small fp32 tensors (the quick-start CNN: its biases) took a 4 s compile of the shared
     launch in every process; now it is loaded from the cache like the other kernels."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", _SHARED_CACHE_PROBE], env=env, capture_output=True,
-                                      text=True, check=True).stdout) for _ in range(3)]
+    runs = [_probe(_SHARED_CACHE_PROBE, tmp_path)[0] for _ in range(3)]
     assert [(r["hits"], r["misses"]) for r in runs] == [(0, 1), (1, 0), (1, 0)]
     assert runs[1]["result"] == runs[2]["result"]
 
@@ -219,14 +221,7 @@ def test_the_shared_small_tensor_launch_is_cached_too(tmp_path) -> None:
 def test_the_kernels_compile_once_and_fresh_processes_load_them_from_the_cache(tmp_path) -> None:
     """The first fused step of every process used to compile the kernels (seconds, and ~100 MiB
     of RSS); now the first process on a machine compiles and caches them, the next ones load them."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
-                                      check=True).stdout) for _ in range(3)]
+    runs = [_probe(_CACHE_PROBE, tmp_path)[0] for _ in range(3)]
     assert [(r["hits"], r["misses"]) for r in runs] == [(0, 1), (1, 0), (1, 0)]
     assert any(tmp_path.rglob("*.nbc"))
     # Processes that load the kernels compute the same bits (the compiling one may differ in the last bit).
@@ -238,17 +233,10 @@ def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> Non
     """A truncated or overwritten ``.nbi``/``.nbc`` used to make every later process fail at its
     first step until the files were deleted by hand; now the process warns once, compiles, writes a
     good entry, and the next process loads it silently. Subprocesses: a failure here can be a crash."""
-    import json
     import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "always"}
 
     def run() -> tuple[dict, str]:
-        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+        return _probe(_CACHE_PROBE, tmp_path, PYTHONWARNINGS="always")
 
     def cache_file(suffix: str):
         return next(tmp_path.rglob(f"*_kernel_serial*.{suffix}"))

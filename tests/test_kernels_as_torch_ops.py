@@ -4,12 +4,10 @@ every backend, ``torch.compile`` of a training step works, and a step that raise
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from helpers import CPU_FUSED_BACKENDS
+from helpers import CPU_FUSED_BACKENDS, assert_unchanged, snapshot_of
 from smmf import SMMF
 
 BACKENDS = ["torch", *CPU_FUSED_BACKENDS]
@@ -157,7 +155,7 @@ def test_a_step_that_raises_in_its_kernel_leaves_params_and_state_as_they_were(b
         net(torch.randn(2, 16)).sum().backward()
         opt.step()
     net(torch.randn(2, 16)).sum().backward()
-    params, state = [p.detach().clone() for p in net.parameters()], copy.deepcopy(opt.state_dict())
+    before = snapshot_of(opt, list(net.parameters()))
     real = smmf.optimizer.step_kernel
 
     def failing_kernel(*args, **kwargs):
@@ -166,12 +164,7 @@ def test_a_step_that_raises_in_its_kernel_leaves_params_and_state_as_they_were(b
     monkeypatch.setattr(smmf.optimizer, "step_kernel", lambda *args: failing_kernel)
     with pytest.raises(RuntimeError, match="failed to compile"):
         opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), params))
-    now = opt.state_dict()
-    assert now["state"].keys() == state["state"].keys()
-    for pid, st in now["state"].items():
-        for key, value in st.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(state["state"][pid][key])), key
+    assert_unchanged(opt, list(net.parameters()), before)
     monkeypatch.setattr(smmf.optimizer, "step_kernel", real)
     opt.step()  # and the same step then runs as it would have
     assert all(st["step"] == fail_at + 1 for st in opt.state.values())

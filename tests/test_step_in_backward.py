@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 
-from helpers import CPU_FUSED_BACKENDS
+from helpers import CPU_FUSED_BACKENDS, assert_unchanged, snapshot_of
 from smmf import SMMF, step_in_backward
 
 BACKENDS = ["torch", *CPU_FUSED_BACKENDS]
@@ -168,18 +168,6 @@ def _same_state(opt_a: SMMF, a: torch.nn.Module, opt_b: SMMF, b: torch.nn.Module
     return True
 
 
-def _snapshot(model: torch.nn.Module, opt: SMMF) -> tuple[list[torch.Tensor], dict]:
-    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
-
-
-def _unchanged(model: torch.nn.Module, opt: SMMF, snapshot: tuple[list[torch.Tensor], dict]) -> bool:
-    params, saved = snapshot
-    now = opt.state_dict()
-    return all(torch.equal(p, q) for p, q in zip(model.parameters(), params)) and all(
-        torch.equal(torch.as_tensor(v), torch.as_tensor(saved["state"][i][k]))
-        for i, st in now["state"].items() for k, v in st.items())
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_loaded_checkpoint_sets_the_lr_the_hooks_step_at(backend: str) -> None:
     torch.manual_seed(0)
@@ -248,17 +236,18 @@ def test_a_layout_option_changed_mid_run_is_refused_before_anything_changes(chan
     key, value = change
     old = opt.param_groups[0][key]
     opt.param_groups[0][key] = value
-    before = _snapshot(m, opt)
+    before = snapshot_of(opt, list(m.parameters()))
     with pytest.raises(RuntimeError, match="cannot change mid-run"):
         m(torch.randn(2, 6)).sum().backward()
         opt.step()
-    assert _unchanged(m, opt, before)
+    assert_unchanged(opt, list(m.parameters()), before)
     opt.param_groups[0][key] = old
     opt.load_state_dict(opt.state_dict())  # its own checkpoint still loads
     if in_backward:  # the refused backward's gradients are not folded into the next one's
+        before = snapshot_of(opt, list(m.parameters()))  # the option set back
         with pytest.raises(RuntimeError, match="Call reset"):
             m(torch.randn(2, 6)).sum().backward()
-        assert _unchanged(m, opt, before)
+        assert_unchanged(opt, list(m.parameters()), before)
         opt._step_in_backward.reset()
     opt.zero_grad()
     ref = copy.deepcopy(m)
@@ -420,10 +409,10 @@ def test_after_an_exception_in_backward_the_next_backward_refuses_until_reset(k:
     with pytest.raises(ValueError, match="a failure inside backward"):
         loss(99).backward()
     # The layer after the failure point was stepped (k == 1) or holds partial gradients; then:
-    before = _snapshot(model, opt)
+    before = snapshot_of(opt, list(model.parameters()))
     with pytest.raises(RuntimeError, match="Call reset"):
         loss(100).backward()
-    assert _unchanged(model, opt, before)
+    assert_unchanged(opt, list(model.parameters()), before)
     handle.reset()
     assert all(p.grad is None for p in model.parameters())
     # From here it equals an ordinary loop started from the same params and state.
@@ -458,10 +447,10 @@ def test_a_failure_inside_a_reentrant_checkpoint_is_seen_by_the_next_backward() 
         loss(1).backward()
     except ValueError as error:
         errors.append(error)
-    before = _snapshot(inner, opt)
+    before = snapshot_of(opt, list(inner.parameters()))
     with pytest.raises(RuntimeError, match="Call reset"):
         loss(2).backward()
-    assert _unchanged(inner, opt, before)
+    assert_unchanged(opt, list(inner.parameters()), before)
     handle.reset()
     loss(3).backward()
     assert opt.state[inner.weight]["step"] == 2 and inner.weight.grad is None
@@ -477,9 +466,9 @@ def test_a_failure_of_the_step_that_closes_a_window_is_refused_until_reset() -> 
     lin(emb(torch.tensor([1, 2]))).sum().backward()
     with pytest.raises(RuntimeError, match="sparse gradients"):
         lin(torch.randn(2, 4)).sum().backward()
-    before = _snapshot(lin, opt)
+    before = snapshot_of(opt, list(lin.parameters()))
     with pytest.raises(RuntimeError, match="Call reset"):
         lin(torch.randn(2, 4)).sum().backward()
-    assert _unchanged(lin, opt, before)
+    assert_unchanged(opt, list(lin.parameters()), before)
     handle.reset()
     assert emb.weight.grad is None
