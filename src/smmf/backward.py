@@ -34,10 +34,7 @@ import torch
 from torch import Tensor
 
 from .optimizer import SMMF
-from .state import check_state_fits
-
-# The group options that decide a state's layout (checked when they change between backwards).
-_LAYOUT_OPTIONS = ("beta", "vector_reshape", "momentum_shape", "magnitude_bits")
+from .state import LAYOUT_OPTIONS, check_state_fits
 
 __all__ = ["step_in_backward", "StepInBackward"]
 
@@ -231,7 +228,7 @@ class StepInBackward:
         the last backward, is refused before any parameter of this backward is stepped."""
         seen = {}
         for group in self.optimizer.param_groups:
-            options = tuple(group.get(key) for key in _LAYOUT_OPTIONS)
+            options = tuple(group.get(key) for key in LAYOUT_OPTIONS)
             if self._layouts.get(id(group)) != options:
                 for param in group["params"]:
                     if self.optimizer.state.get(param):

@@ -23,6 +23,8 @@ ROW_V, COL_V = "row_v", "col_v"
 # levels (high, low) that scale r cᵀ where the flag is set / clear.
 FLAG_M, LEVELS_M = "flag_m", "levels_m"
 MOMENTUM_SHAPES = ("square", "natural")
+# The group options that decide a state's layout (state_layout reads them; check_state_fits refuses a change).
+LAYOUT_OPTIONS = ("beta", "vector_reshape", "momentum_shape", "magnitude_bits")
 MAGNITUDE_BITS = (0, 1)
 # The options that decide M's code, at the paper's values: what a group (or a checkpoint) without them has.
 MOMENTUM_CODE_DEFAULTS: dict[str, Any] = {"momentum_shape": "square", "magnitude_bits": 0}
