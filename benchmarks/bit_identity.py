@@ -31,7 +31,7 @@ from smmf import SMMF  # noqa: E402
 from smmf.functional import StepConfig  # noqa: E402
 from smmf.kernels import available_backends  # noqa: E402
 from smmf.schedules import beta1_at, beta2_at  # noqa: E402
-from smmf.state import init_state  # noqa: E402
+from smmf.state import MomentumCode, init_state  # noqa: E402
 
 SHAPES = [(), (7,), (5, 6), (4, 3, 3, 3), (31, 9), (3, 5, 7), (256, 128), (300, 300), (2, 0, 3)]
 CODES = {"paper": {}, "natural": {"momentum_shape": "natural"}, "flag": {"magnitude_bits": 1},
@@ -103,7 +103,7 @@ def _shard_passes(hasher: Any) -> None:
             for step in range(1, STEPS + 1):
                 cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
                                  weight_decay=0.01, decoupled_weight_decay=step != 2, maximize=step == 3,
-                                 stochastic_rounding=False)
+                                 stochastic_rounding=False, code=MomentumCode.SIGN)
                 p = step_in_pieces(numba_shard_step_, p, torch.randn(shape, generator=gen), state, cfg, cuts).view(shape)
                 _digest(hasher, [p, *(v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor))])
 

@@ -119,7 +119,8 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
         set_optimizer_state_dict,
     )
 
-    from smmf.kernels import step_kernel
+    from smmf.dispatch import step_kernel
+    from smmf.state import momentum_code
 
     init(rank, world, port)
     # Uninterrupted run.
@@ -143,7 +144,7 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
     resumed = _full_params(model)
     local_bit_bytes = [opt.state[p][key].to_local().numel() for p in model.parameters()
                        for key in ("sign_m", "flag_m") if key in opt.state[p]]
-    paths = sorted({step_kernel("auto", p, opt.state[p]).__name__ for p in model.parameters()})
+    paths = sorted({step_kernel("auto", p, momentum_code(p, opt.param_groups[0])).name for p in model.parameters()})
     if rank == 0:
         torch.save({"straight": straight, "resumed": resumed, "bit_bytes": local_bit_bytes, "paths": paths},
                    Path(out) / "fsdp2.pt")

@@ -115,7 +115,7 @@ def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, 
     identical inputs: matrices whose width is a multiple of 8 and not, cut at a sign byte, mid-byte
     and mid-row, with an empty piece; with and without the first moment (``momentum_shape``: M's view)."""
     from smmf.functional import StepConfig, torch_step_
-    from smmf.state import init_state, matrix_shape
+    from smmf.state import MomentumCode, init_state, matrix_shape
 
     gen = torch.Generator().manual_seed(3)
     for shape in [(48, 64), (31, 9), (257, 33), (300, 1000)]:
@@ -127,7 +127,8 @@ def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, 
             for step in range(1, 4):
                 cfg = StepConfig(lr=1e-2, beta1=None if beta is None else 0.9 * 0.999 ** (step - 1), beta2=0.9,
                                  eps=1e-8, weight_decay=0.1, decoupled_weight_decay=step != 2, maximize=step == 3,
-                                 stochastic_rounding=False)
+                                 stochastic_rounding=False,
+                                 code=MomentumCode.NONE if beta is None else MomentumCode.SIGN)
                 g = torch.randn(shape, generator=gen).to(device, dtype)
                 whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
                 torch_step_(whole, g, whole_state, cfg)

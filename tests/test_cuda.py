@@ -13,8 +13,9 @@ import torch
 from helpers import HAS_CUDA
 from smmf import SMMF
 from smmf.functional import StepConfig, torch_step_
-from smmf.kernels import available_backends, step_kernel
-from smmf.state import init_state
+from smmf.dispatch import step_kernel
+from smmf.kernels import available_backends
+from smmf.state import MomentumCode, init_state
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA or "triton" not in available_backends(), reason="needs CUDA and triton")
 
@@ -24,25 +25,24 @@ LARGE_SHAPES = [(1000, 1000), (999, 1001), (4096, 1536)]
 
 def _cfg(step: int, **overrides) -> StepConfig:
     args = dict(lr=1e-2, beta1=0.9 * 0.999 ** (step - 1), beta2=1 - step**-0.8, eps=1e-8, weight_decay=0.0,
-                decoupled_weight_decay=True, maximize=False, stochastic_rounding=False)
+                decoupled_weight_decay=True, maximize=False, stochastic_rounding=False, code=MomentumCode.SIGN)
     return StepConfig(**(args | overrides))
 
 
 def test_auto_takes_triton_for_cuda_params_and_torch_for_the_rest() -> None:
-    from smmf.kernels.triton_gpu import triton_step_
-
+    sign, flag, dense = MomentumCode.SIGN, MomentumCode.FLAG, MomentumCode.DENSE
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.complex64):
-        assert step_kernel("auto", torch.zeros(8, 8, dtype=dtype, device="cuda"), {}) is triton_step_
-    flagged = {"flag_m": None}  # the magnitude flag: Triton takes it too, named or under auto
-    assert step_kernel("auto", torch.zeros(8, 8, device="cuda"), flagged) is triton_step_
-    assert step_kernel("triton", torch.zeros(8, 8, device="cuda"), flagged) is triton_step_
+        assert step_kernel("auto", torch.zeros(8, 8, dtype=dtype, device="cuda"), sign).name == "triton"
+    # the magnitude flag: Triton takes it too, named or under auto
+    assert step_kernel("auto", torch.zeros(8, 8, device="cuda"), flag).name == "triton"
+    assert step_kernel("triton", torch.zeros(8, 8, device="cuda"), flag).name == "triton"
     fp64 = torch.zeros(8, 8, dtype=torch.float64, device="cuda")
-    assert step_kernel("auto", fp64, {}) is torch_step_
-    assert step_kernel("auto", torch.zeros(8, device="cuda"), {"exp_avg_sq": None}) is torch_step_
+    assert step_kernel("auto", fp64, sign).name == "torch"
+    assert step_kernel("auto", torch.zeros(8, device="cuda"), dense).name == "torch"
     with pytest.raises(RuntimeError, match="backend 'triton' cannot update a torch.float64 parameter"):
-        step_kernel("triton", fp64, {})
+        step_kernel("triton", fp64, sign)
     with pytest.raises(RuntimeError, match="backend 'triton' cannot update a torch.float32 parameter on cpu"):
-        step_kernel("triton", torch.zeros(8, 8), {})
+        step_kernel("triton", torch.zeros(8, 8), sign)
 
 
 @pytest.mark.parametrize("shape", LARGE_SHAPES)

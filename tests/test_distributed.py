@@ -59,7 +59,7 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
     assert all(b > 0 for b in result["bit_bytes"])
     # Shards take the fused kernel where numba is installed (a single fused pass; the flag's two).
     fused = "numba" in available_backends()
-    assert result["paths"] == (["fused_sharded_step_"] if fused else ["sharded_step_"])
+    assert result["paths"] == (["sharded numba"] if fused else ["sharded torch"])
 
 
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),

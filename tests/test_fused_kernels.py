@@ -7,8 +7,10 @@ import torch
 
 from helpers import FUSED_BACKENDS, ZOO_SHAPES, device_of, reconstruct_state, run_script, state_tensors_bytes
 from smmf import SMMF
-from smmf.kernels import available_backends, check_backend, step_kernel
+from smmf.dispatch import step_kernel
+from smmf.kernels import available_backends, check_backend
 from smmf.functional import torch_step_
+from smmf.state import MomentumCode
 
 pytestmark = pytest.mark.skipif(not FUSED_BACKENDS, reason="no fused backend available")
 
@@ -83,13 +85,13 @@ def test_fused_matches_torch_path(backend: str, dtype: torch.dtype, config: dict
 def test_fused_is_chosen_by_default_and_covers_bf16(backend: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         p = torch.nn.Parameter(torch.randn(4, 4, dtype=dtype, device=device_of(backend)))
-        assert step_kernel("auto", p, {}) is not torch_step_
-        assert step_kernel(backend, p, {}) is not torch_step_
+        assert step_kernel("auto", p, MomentumCode.SIGN).name == backend
+        assert step_kernel(backend, p, MomentumCode.SIGN).name == backend
 
 
 def test_fp16_falls_back_to_torch_under_auto() -> None:
     p = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float16))
-    assert step_kernel("auto", p, {}) is torch_step_
+    assert step_kernel("auto", p, MomentumCode.SIGN).name == "torch"
 
 
 def test_unavailable_backend_is_a_clear_error() -> None:
@@ -311,6 +313,7 @@ def test_numba_flag_shard_passes_add_up_to_the_whole_step(l2: bool, momentum_sha
     from helpers import piece_cuts, piece_state
     from smmf.distributed import _fused_flag_shard_step_
     from smmf.functional import StepConfig
+    from smmf.kernels.numba_cpu import BACKEND as NUMBA
     from smmf.matrix import unpack_signs
     from smmf.state import init_state, matrix_shape
 
@@ -322,7 +325,8 @@ def test_numba_flag_shard_passes_add_up_to_the_whole_step(l2: bool, momentum_sha
         cuts = piece_cuts(numel, cols)
         for step in range(1, 4):
             cfg = StepConfig(lr=1e-2, beta1=0.9 * 0.999 ** (step - 1), beta2=0.9, eps=1e-8, weight_decay=0.01,
-                             decoupled_weight_decay=not l2, maximize=step == 3, stochastic_rounding=False)
+                             decoupled_weight_decay=not l2, maximize=step == 3, stochastic_rounding=False,
+                             code=MomentumCode.FLAG)
             g = torch.randn(shape, generator=gen, dtype=torch.float64)
             whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
             torch_step_(whole, g, whole_state, cfg)
@@ -335,7 +339,8 @@ def test_numba_flag_shard_passes_add_up_to_the_whole_step(l2: bool, momentum_sha
 
                 def run(piece=piece, local=local, lo=lo, hi=hi, i=i) -> None:
                     try:
-                        _fused_flag_shard_step_(piece, g.reshape(-1)[lo:hi].clone(), local, cfg, lo, reduce_for(i))
+                        _fused_flag_shard_step_(NUMBA, piece, g.reshape(-1)[lo:hi].clone(), local, cfg, lo,
+                                                reduce_for(i))
                     except BaseException as error:  # noqa: BLE001 - re-raised below
                         errors.append(error)
 

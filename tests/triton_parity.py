@@ -11,21 +11,21 @@ from smmf.functional import StepConfig, decompress_momentum, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
 from smmf.matrix import unpack_signs
 from smmf.schedules import beta1_at, beta2_at
-from smmf.state import init_state
+from smmf.state import MomentumCode, init_state, momentum_code
 
 # Aligned widths (64×48, 32×24, 256×128: several tiles) and widths that are not a multiple of 8
 # (36×30 conv, a prime, 31×9), which write their sign bits through the int32 scratch.
 SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128), (1000, 3)]
 
 
-def _decoded(state: dict) -> torch.Tensor:
+def _decoded(state: dict, cfg: StepConfig) -> torch.Tensor:
     """M̂ as the state encodes it, flat."""
     shape = (state["row_m"].numel(), state["col_m"].numel())
     numel = shape[0] * shape[1]
-    return decompress_momentum(state, state["row_m"], lambda bits: unpack_signs(bits, numel).view(shape)).reshape(-1)
+    return decompress_momentum(state, cfg, state["row_m"], lambda bits: unpack_signs(bits, numel).view(shape)).reshape(-1)
 
 
-def _same_code(out: dict, ref: dict) -> None:
+def _same_code(out: dict, ref: dict, cfg: StepConfig) -> None:
     """The factors of V, and M̂ as decoded (the flag's levels may trade places where |M| = r cᵀ to
     the last bit, e.g. a 1-row matrix: what matters is what they decode to), at 1e-5 of their scale,
     where the flag bits agree."""
@@ -33,7 +33,7 @@ def _same_code(out: dict, ref: dict) -> None:
         scale = ref[key].abs().max().item() if ref[key].numel() else 0.0
         torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5 * scale)
     if "row_m" in ref and ref["sign_m"].numel():
-        expected, got = _decoded(ref).abs(), _decoded(out).abs()
+        expected, got = _decoded(ref, cfg).abs(), _decoded(out, cfg).abs()
         if "flag_m" in ref:  # a flag bit of |M| within float noise of r cᵀ may differ (the callers bound how many)
             same = unpack_signs(out["flag_m"], got.numel()) == unpack_signs(ref["flag_m"], got.numel())
             expected, got = expected[same], got[same]
@@ -43,7 +43,7 @@ def _same_code(out: dict, ref: dict) -> None:
 
 def _first_moment(prev: dict, w: torch.Tensor, g: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
     """This step's uncompressed M, from the state before the step (to tell noise-level |M|)."""
-    m_hat = _decoded(prev)
+    m_hat = _decoded(prev, cfg)
     grad = (-g if cfg.maximize else g).float().reshape(-1)
     if not cfg.decoupled_weight_decay:
         grad = grad + cfg.weight_decay * w.float().reshape(-1)
@@ -71,21 +71,22 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
     worst = 0.0
     for shape in SHAPES:
         p = torch.randn(shape, generator=gen).to(device, dtype)
-        sp = init_state(p, {"beta": beta, "vector_reshape": True, "momentum_shape": momentum_shape,
-                            "magnitude_bits": magnitude_bits})
+        group = {"beta": beta, "vector_reshape": True, "momentum_shape": momentum_shape, "magnitude_bits": magnitude_bits}
+        sp = init_state(p, group)
         for step in range(1, 21):
             q = p.clone()
             sq = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sp.items()}
             g = torch.randn(shape, generator=gen).to(device, dtype)
             cfg = StepConfig(lr=1e-2, beta1=None if beta is None else beta1_at(beta, 0.999, step),
                              beta2=beta2_at(-0.8, step), eps=1e-8, weight_decay=weight_decay,
-                             decoupled_weight_decay=decoupled, maximize=maximize, stochastic_rounding=False)
+                             decoupled_weight_decay=decoupled, maximize=maximize, stochastic_rounding=False,
+                             code=momentum_code(p, group))
             m = _first_moment(sq, q, g, cfg) if beta is not None else None
             torch_step_(p, g, sp, cfg)
             triton_step_(q, g, sq, cfg)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(q.float(), p.float(), rtol=tol, atol=tol)
-            _same_code(sq, sp)
+            _same_code(sq, sp, cfg)
             if m is not None:
                 _signs_agree_where_clear(m, sp, sq)
             worst = max(worst, (q.float() - p.float()).abs().max().item() if p.numel() else 0.0)
@@ -102,25 +103,26 @@ def run_batched(device: str) -> None:
     shapes = SHAPES + [(875, 800), (1001, 999)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     params = [torch.randn(s, generator=gen).to(device, dtypes[i % 3]) for i, s in enumerate(shapes)]
-    states = [init_state(p, {"beta": 0.9, "vector_reshape": True, "momentum_shape": "natural" if i % 3 == 2 else "square",
-                             "magnitude_bits": int(i % 4 == 1)})
-              for i, p in enumerate(params)]
+    groups = [{"beta": 0.9, "vector_reshape": True, "momentum_shape": "natural" if i % 3 == 2 else "square",
+               "magnitude_bits": int(i % 4 == 1)} for i in range(len(params))]
+    states = [init_state(p, group) for p, group in zip(params, groups)]
     for step in range(1, 4):
         items, expected = [], []
         for i, (p, st) in enumerate(zip(params, states)):
             own_step = max(1, step - (i % 2))  # half the params lag a step: two configs per launch
             cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, own_step), beta2=beta2_at(-0.8, own_step), eps=1e-8,
-                             weight_decay=0.01, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False)
+                             weight_decay=0.01, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False,
+                             code=momentum_code(p, groups[i]))
             g = torch.randn(p.shape, generator=gen).to(device, p.dtype)
             ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
             torch_step_(ref_p, g, ref_st, cfg)
             expected.append((ref_p, ref_st))
             items.append((p, g, st, cfg))
         triton_steps_(items)
-        for (p, _, st, _), (ref_p, ref_st) in zip(items, expected):
+        for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
             tol = 1e-5 if p.dtype == torch.float32 else 1e-2
             torch.testing.assert_close(p.float(), ref_p.float(), rtol=tol, atol=tol)
-            _same_code(st, ref_st)
+            _same_code(st, ref_st, cfg)
             for key in ("sign_m", "flag_m"):
                 if key in ref_st:
                     flips = (st[key] != ref_st[key]).sum().item()
@@ -151,6 +153,7 @@ def run_flag_shards(device: str) -> None:
     do, equal the torch path's step of the whole matrix; M square and natural, one step with L2."""
     from helpers import piece_cuts, piece_state
     from smmf.functional import flag_levels, store_factors_
+    from smmf.kernels import FlagPass
     from smmf.kernels.triton_gpu import triton_flag_shard_pass_
     from smmf.matrix import pack_signs
     from smmf.state import matrix_shape
@@ -165,7 +168,8 @@ def run_flag_shards(device: str) -> None:
             cuts = piece_cuts(numel, cols)
             for step in range(1, 4):
                 cfg = StepConfig(lr=1e-2, beta1=0.9 * 0.999 ** (step - 1), beta2=0.9, eps=1e-8, weight_decay=0.1,
-                                 decoupled_weight_decay=step != 2, maximize=step == 3, stochastic_rounding=False)
+                                 decoupled_weight_decay=step != 2, maximize=step == 3, stochastic_rounding=False,
+                                 code=MomentumCode.FLAG)
                 g = torch.randn(shape, generator=gen).to(device)
                 whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
                 torch_step_(whole, g, whole_state, cfg)
@@ -176,7 +180,7 @@ def run_flag_shards(device: str) -> None:
                                    torch.empty_like(state["col_m"]), torch.empty(4, device=device)))
                 for flag_pass in (0, 1):
                     for piece, grad, local, lo, new_rows, new_cols, level_sums in pieces:
-                        triton_flag_shard_pass_(piece, grad, local, cfg, lo, flag_pass, new_rows, new_cols, level_sums)
+                        triton_flag_shard_pass_(piece, grad, local, cfg, lo, FlagPass(flag_pass, new_rows, new_cols, level_sums))
                     if flag_pass == 0:  # the first all-reduce: the new factors of |M|
                         new = {"r": sum(x[4] for x in pieces), "c": sum(x[5] for x in pieces)}
                         store_factors_(new, "r", "c", new["r"], new["c"])
@@ -190,7 +194,7 @@ def run_flag_shards(device: str) -> None:
                 store_factors_(merged, "row_v", "col_v", sum(x[2]["row_v"] for x in pieces),
                                sum(x[2]["col_v"] for x in pieces))
                 torch.testing.assert_close(torch.cat([x[0] for x in pieces]), whole.reshape(-1), rtol=1e-5, atol=1e-5)
-                _same_code(merged, whole_state)
+                _same_code(merged, whole_state, cfg)
                 for key in ("sign_m", "flag_m"):
                     flips = (unpack_signs(merged[key], numel) != unpack_signs(whole_state[key], numel)).sum().item()
                     assert flips <= max(1, 1e-3 * numel), (key, flips)
@@ -215,7 +219,8 @@ def run_huge_flag(device: str) -> None:
                     g = g * 1e20
                 g = g.to(device)
                 cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
-                                 weight_decay=0.0, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False)
+                                 weight_decay=0.0, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False,
+                                 code=MomentumCode.FLAG)
                 q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
                 torch_step_(p, g, state, cfg)
                 triton_step_(q, g, sq, cfg)

@@ -5,10 +5,10 @@ hence a band of rows (the first and last possibly partial) — of V's view and o
 of it under ``momentum_shape="natural"``). :func:`sharded_step_` runs the torch path on that band —
 the same lines as :func:`smmf.functional._factored_update`, with padding kept at zero — and sums the
 partial row and column sums over ranks with one all-reduce (and the magnitude flag's level sums with
-a second), so the factors, and therefore the update, are the single-device ones. The fused kernels
-(numba on CPU, Triton on CUDA) make the same pass over the shard in place (:func:`fused_sharded_step_`;
-the magnitude flag's two passes, an all-reduce after each)
-and only the sums go through torch. Placement and checkpoint layout:
+a second), so the factors, and therefore the update, are the single-device ones. A fused backend
+(:class:`smmf.kernels.Backend`, handed in by :mod:`smmf.dispatch`) makes the same pass over the shard
+in place (:func:`fused_sharded_step_`; the magnitude flag's two passes, an all-reduce after each) and
+only the sums go through torch. Placement and checkpoint layout:
 :mod:`smmf.sharding`.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,10 @@ from .functional import (
     store_factors_,
     torch_step_,
 )
+from .kernels.contract import Backend, FlagPass
 from .matrix import pack_signs, unpack_signs
 from .sharding import local, shard_info
-from .state import COL_M, COL_V, EXP_AVG_SQ, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape
+from .state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, MomentumCode, matrix_shape
 
 __all__ = ["Band", "fused_sharded_step_", "sharded_step_"]
 
@@ -95,46 +96,25 @@ class Band:
 def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
     """The step of a DTensor parameter on the torch path: same contract as
     :func:`smmf.functional.torch_step_`."""
-    return _sharded_step(param, grad, state, cfg, fused=False)
+    return _sharded_step(param, grad, state, cfg, None)
 
 
-def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
-    """The step of a DTensor parameter on a fused kernel (numba on CPU, Triton on CUDA): one pass
-    over the shard, then the all-reduce of its row and column sums (the magnitude flag: two passes
-    and two all-reduces)."""
-    return _sharded_step(param, grad, state, cfg, fused=True)
+def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
+                        backend: Backend) -> Nonfinite:
+    """The step of a DTensor parameter on a fused ``backend``: one pass over the shard, then the
+    all-reduce of its row and column sums (the magnitude flag: two passes and two all-reduces)."""
+    return _sharded_step(param, grad, state, cfg, backend)
 
 
-def _whole_pass(weight: Tensor) -> Callable[..., Nonfinite]:
-    """The fused kernel's step of a whole tensor on ``weight``'s device."""
-    if weight.is_cuda:
-        from .kernels.triton_gpu import triton_step_
-
-        return triton_step_
-    from .kernels.numba_cpu import numba_step_
-
-    return numba_step_
-
-
-def _shard_pass(weight: Tensor) -> Callable[..., Nonfinite]:
-    """The fused kernel's pass over a shard on ``weight``'s device (it leaves raw factor sums)."""
-    if weight.is_cuda:
-        from .kernels.triton_gpu import triton_shard_step_
-
-        return triton_shard_step_
-    from .kernels.numba_cpu import numba_shard_step_
-
-    return numba_shard_step_
-
-
-def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, fused: bool) -> Nonfinite:
+def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
+                  backend: Optional[Backend]) -> Nonfinite:
     info = shard_info(param)
     assert info is not None, "sharded_step_ takes DTensor parameters"
     local_state = {key: local(value) for key, value in state.items()}
     weight, local_grad = local(param), local(grad)
-    if EXP_AVG_SQ in state or not info.sharded:  # elementwise, or every rank holds it all
-        if fused and EXP_AVG_SQ not in state:
-            return _whole_pass(weight)(weight, local_grad, local_state, cfg)
+    if cfg.code is MomentumCode.DENSE or not info.sharded:  # elementwise, or every rank holds it all
+        if backend is not None and cfg.code is not MomentumCode.DENSE:
+            return backend.steps_([(weight, local_grad, local_state, cfg)])
         return torch_step_(weight, local_grad, local_state, cfg)
     rows, cols = matrix_shape(param)
     group = info.mesh.get_group()
@@ -144,20 +124,20 @@ def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return list(flat.split([s.numel() for s in sums]))
 
-    if fused and FLAG_M in state:
-        return _fused_flag_shard_step_(weight, local_grad, local_state, cfg, info.start, all_reduce)
-    if fused:
-        return _fused_shard_step_(weight, local_grad, local_state, cfg, info.start, all_reduce)
+    if backend is not None and cfg.code is MomentumCode.FLAG:
+        return _fused_flag_shard_step_(backend, weight, local_grad, local_state, cfg, info.start, all_reduce)
+    if backend is not None:
+        return _fused_shard_step_(backend, weight, local_grad, local_state, cfg, info.start, all_reduce)
     band = Band.of_range(rows, cols, info.start, info.numel)
     return torch_step_(weight, local_grad, local_state, cfg, matrix_update=partial(band_update, band=band, reduce=all_reduce))
 
 
-def _fused_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
-                       reduce: Reducer) -> Nonfinite:
-    """The fused kernel's pass over the shard leaves its raw factor sums in the factor vectors: add
+def _fused_shard_step_(backend: Backend, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
+                       start: int, reduce: Reducer) -> Nonfinite:
+    """The fused pass over the shard leaves its raw factor sums in the factor vectors: add
     them up across ranks, then normalize as on one device."""
     work = weight if weight.is_contiguous() else weight.contiguous()
-    nonfinite = _shard_pass(work)(work, grad, state, cfg, start)
+    nonfinite = backend.shard_step_(work, grad, state, cfg, start)
     if work is not weight:
         weight.copy_(work)
     factors = [(ROW_V, COL_V)] + ([(ROW_M, COL_M)] if cfg.beta1 is not None else [])
@@ -167,28 +147,22 @@ def _fused_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     return nonfinite
 
 
-def _fused_flag_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
-                            reduce: Reducer) -> Nonfinite:
-    """The magnitude flag on a fused kernel over a shard: its two passes
-    (:func:`smmf.kernels.numba_cpu.numba_flag_shard_pass_`, :func:`smmf.kernels.triton_gpu.triton_flag_shard_pass_`),
-    the shards' sums added up after each. The first pass's |M| sums make the new factors, which the
-    second encodes against; the second's level sums make the levels; V's sums come from the pass
-    that steps the weights (numba: the first, or the second with L2 decay; Triton: the second)."""
-    flag_pass: Callable[..., Nonfinite]
-    if weight.is_cuda:
-        from .kernels.triton_gpu import triton_flag_shard_pass_ as flag_pass
-    else:
-        from .kernels.numba_cpu import numba_flag_shard_pass_ as flag_pass
-
+def _fused_flag_shard_step_(backend: Backend, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
+                            start: int, reduce: Reducer) -> Nonfinite:
+    """The magnitude flag on a fused backend over a shard: its two passes
+    (:meth:`smmf.kernels.Backend.flag_shard_pass_`), the shards' sums added up after each. The first
+    pass's |M| sums make the new factors, which the second encodes against; the second's level sums
+    make the levels; V's sums come from the pass that steps the weights
+    (:meth:`smmf.kernels.Backend.updating_flag_pass`)."""
     work = weight if weight.is_contiguous() else weight.contiguous()
     new_row_m, new_col_m = torch.empty_like(state[ROW_M]), torch.empty_like(state[COL_M])
     level_sums = state[ROW_M].new_empty(4)
-    v_first = not weight.is_cuda and cfg.folded()[2] == 0  # numba without L2 decay: the first pass steps
+    v_first = backend.updating_flag_pass(cfg) == 0
     v_sums = [state[ROW_V], state[COL_V]]  # raw, after the pass that steps the weights
-    found = [flag_pass(work, grad, state, cfg, start, 0, new_row_m, new_col_m, level_sums)]
+    found = [backend.flag_shard_pass_(work, grad, state, cfg, start, FlagPass(0, new_row_m, new_col_m, level_sums))]
     first = reduce([new_row_m, new_col_m] + (v_sums if v_first else []))
     store_factors_({ROW_M: new_row_m, COL_M: new_col_m}, ROW_M, COL_M, first[0], first[1])
-    found.append(flag_pass(work, grad, state, cfg, start, 1, new_row_m, new_col_m, level_sums))
+    found.append(backend.flag_shard_pass_(work, grad, state, cfg, start, FlagPass(1, new_row_m, new_col_m, level_sums)))
     if work is not weight:
         weight.copy_(work)
     second = reduce([level_sums] + ([] if v_first else v_sums))
@@ -212,7 +186,7 @@ def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Ba
     m = m_band = magnitude = None
     if cfg.beta1 is not None:
         m_band = band.in_view(state[ROW_M].numel(), state[COL_M].numel())
-        m = decompress_momentum(state, state[ROW_M][m_band.row0 : m_band.row1],
+        m = decompress_momentum(state, cfg, state[ROW_M][m_band.row0 : m_band.row1],
                                 lambda bits: m_band.to_matrix(unpack_signs(bits, m_band.numel)))
         m.mul_(cfg.beta1).add_(m_band.to_matrix(g_flat), alpha=1.0 - cfg.beta1)
         m_band.zero_padding_(m)
@@ -231,7 +205,7 @@ def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Ba
     denom = band.owned(v.sqrt_().add_(cfg.eps))
     if m is None or m_band is None or magnitude is None:
         return band.owned(g) / denom
-    if FLAG_M in state:  # the flag needs the new factors: its level sums take a second all-reduce
+    if cfg.code is MomentumCode.FLAG:  # the flag needs the new factors: its level sums take a second all-reduce
         estimate = torch.outer(state[ROW_M][m_band.row0 : m_band.row1], state[COL_M])
         above, level_sums = magnitude_flag_fit(m_band.owned(magnitude), m_band.owned(estimate), band.rows * band.cols)
         _store_bits_(state[FLAG_M], above)

@@ -28,6 +28,7 @@ from .state import (
     ROW_M,
     ROW_V,
     SIGN_M,
+    MomentumCode,
     factor_dtype,
     real_view,
 )
@@ -53,6 +54,7 @@ class StepConfig:
     decoupled_weight_decay: bool  # True: AdamW-style W·(1 − lr·wd); False: L2, G + wd·W
     maximize: bool
     stochastic_rounding: bool
+    code: MomentumCode  # how the param's state stores M and V (smmf.state.momentum_code)
     zero_nonfinite: bool = True  # NaN/inf gradient elements count as 0 (else they propagate)
 
     def folded(self) -> tuple[float, float, float]:
@@ -79,7 +81,7 @@ def torch_step_(
     # Logical row-major order: channels_last and other strided params are copied once.
     work = weight.to(factor_dtype(param)).contiguous()
     g, nonfinite = prepare_grad_(grad, work, cfg)
-    if EXP_AVG_SQ in state:
+    if cfg.code is MomentumCode.DENSE:
         update = _dense_update(g, state, cfg)
     else:
         update = (matrix_update or _whole_matrix_update)(g.view(-1), state, cfg)
@@ -134,13 +136,13 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     if cfg.beta1 is not None:
         # M in its own n×m view (the same as V's but under momentum_shape="natural").
         m_shape = (state[ROW_M].numel(), state[COL_M].numel())
-        m = decompress_momentum(state, state[ROW_M], lambda bits: unpack_signs(bits, g.numel()).view(m_shape))
+        m = decompress_momentum(state, cfg, state[ROW_M], lambda bits: unpack_signs(bits, g.numel()).view(m_shape))
         m.mul_(cfg.beta1).add_(g.reshape(m_shape), alpha=1.0 - cfg.beta1)
         # Compress M: its signs, 1 bit each, and the rank-1 NNMF of |M| (and the magnitude flag).
         state[SIGN_M].copy_(pack_signs(m >= 0))
         magnitude = m.abs()
         store_factors_(state, ROW_M, COL_M, *factor_sums(magnitude))
-        if FLAG_M in state:
+        if cfg.code is MomentumCode.FLAG:
             store_magnitude_flag_(state, magnitude)
         m = m.view(g.shape)
     # Compress V: rank-1 NNMF.
@@ -150,12 +152,13 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     return g / denom if m is None else m.div_(denom)
 
 
-def decompress_momentum(state: dict[str, Any], row_m: Tensor, bits_as_matrix: Callable[[Tensor], Tensor]) -> Tensor:
+def decompress_momentum(state: dict[str, Any], cfg: StepConfig, row_m: Tensor,
+                        bits_as_matrix: Callable[[Tensor], Tensor]) -> Tensor:
     """``M̂ = S ⊙ r_M c_Mᵀ`` for the rows whose factors are ``row_m`` (every row, or a shard's band):
     the magnitude from the factors, the sign from the bits; with the magnitude flag F,
     ``M̂ = S ⊙ r_M c_Mᵀ ⊙ (l + (h − l)·F)``. ``bits_as_matrix`` unpacks packed bits to those rows."""
     magnitude = torch.outer(row_m, state[COL_M])
-    if FLAG_M in state:
+    if cfg.code is MomentumCode.FLAG:
         high, low = state[LEVELS_M].unbind()
         magnitude.mul_(torch.where(bits_as_matrix(state[FLAG_M]), high, low))
     return torch.where(bits_as_matrix(state[SIGN_M]), magnitude, -magnitude)

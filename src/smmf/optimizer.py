@@ -11,17 +11,20 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .functional import StepConfig, torch_step_
-from .kernels import check_backend, step_kernel
+from .dispatch import Kernel, step_kernel
+from .functional import StepConfig
+from .kernels import check_backend
 from .schedules import beta1_at, beta2_at
 from .state import (
     MAGNITUDE_BITS,
     MOMENTUM_CODE_DEFAULTS,
     MOMENTUM_SHAPES,
     STEP,
+    MomentumCode,
     check_loaded_state,
     check_state_fits,
     init_state,
+    momentum_code,
     state_layout,
 )
 
@@ -151,10 +154,10 @@ class NonfiniteMonitor:
         )
 
 
-def _mark_written(kernel: Callable[..., Any], param: Tensor, state: dict[str, Any]) -> None:
+def _mark_written(kernel: Kernel, param: Tensor, state: dict[str, Any]) -> None:
     """Bump the autograd version of what a fused kernel wrote through raw pointers, as an in-place
     torch op would (the torch path's own in-place ops do it)."""
-    if kernel is not torch_step_:
+    if kernel.raw_writes:
         for tensor in (param, *(t for t in state.values() if isinstance(t, Tensor))):
             torch.autograd.graph.increment_version(tensor)
 
@@ -363,31 +366,31 @@ class SMMF(Optimizer):
                 check_state_fits(param, group, state)
             else:
                 state = init_state(param, group)
-            work.append((group, param, grad, state, step_kernel(group["backend"], param, state)))
+            code = momentum_code(param, group)
+            work.append((group, param, grad, state, code, step_kernel(group["backend"], param, code)))
         self._nonfinite.poll()
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
-        batches: dict[Callable[..., Any], list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
-        configs: dict[tuple[int, int], StepConfig] = {}
+        batches: dict[Kernel, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
+        configs: dict[tuple[int, int, MomentumCode], StepConfig] = {}
         pending = []  # (param, its state before) of the steps not yet run: restored if one raises
         try:
-            for group, param, grad, state, kernel in work:
+            for group, param, grad, state, code, kernel in work:
                 pending.append((param, self.state.get(param)))
                 self.state[param] = state
                 state[STEP] += 1
-                key = (id(group), state[STEP])
-                cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP]))
-                batched = getattr(kernel, "batched", None)
-                if batched is None:
-                    nonfinite = kernel(param, grad, state, cfg)
+                key = (id(group), state[STEP], code)
+                cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))
+                if not kernel.batched:
+                    nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()
                     _mark_written(kernel, param, state)
                     self._nonfinite.report(nonfinite)
                 else:
-                    batches.setdefault(batched, []).append((param, grad, state, cfg))
-            for batched, items in batches.items():
-                nonfinite = batched(items)
+                    batches.setdefault(kernel, []).append((param, grad, state, cfg))
+            for kernel, items in batches.items():
+                nonfinite = kernel.steps_(items)
                 for param, _, state, _ in items:
-                    _mark_written(batched, param, state)
+                    _mark_written(kernel, param, state)
                 done = {id(param) for param, *_ in items}
                 pending = [entry for entry in pending if id(entry[0]) not in done]
                 self._nonfinite.report(nonfinite)
@@ -400,7 +403,7 @@ class SMMF(Optimizer):
             raise
 
     @staticmethod
-    def _step_config(group: dict[str, Any], step: int) -> StepConfig:
+    def _step_config(group: dict[str, Any], step: int, code: MomentumCode) -> StepConfig:
         beta = group["beta"]
         return StepConfig(
             lr=float(group["lr"]),
@@ -411,6 +414,7 @@ class SMMF(Optimizer):
             decoupled_weight_decay=group["weight_decay_mode"] == "adamw",
             maximize=group["maximize"],
             stochastic_rounding=group["stochastic_rounding"],
+            code=code,
             zero_nonfinite=group["nonfinite_grads"] == "zero",
         )
 

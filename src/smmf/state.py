@@ -7,6 +7,7 @@ predictor counts it; so the three can never disagree.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any, Mapping, NamedTuple
 
@@ -70,14 +71,25 @@ def momentum_matrix_shape(param: Tensor, group: Mapping[str, Any]) -> tuple[int,
     return matrix_shape(param)
 
 
-def momentum_code(state: Mapping[str, Any]) -> str:
-    """Which code the state's M uses: ``"paper"`` (sign + rank-1 in V's view; also a natural shape
-    that is V's square one), ``"natural"`` (sign + rank-1 in another view) or ``"flag"``."""
-    if FLAG_M in state:
-        return "flag"
-    if ROW_M in state and (state[ROW_M].shape[0], state[COL_M].shape[0]) != (state[ROW_V].shape[0], state[COL_V].shape[0]):
-        return "natural"
-    return "paper"
+class MomentumCode(enum.Enum):
+    """How a parameter's state stores its moments: decided by the group's options and the param
+    (:func:`momentum_code`), carried to every path by :attr:`smmf.functional.StepConfig.code`, and
+    the source of the state's layout (:func:`state_layout`). No path infers it from the state's keys.
+    M's view (V's square one, or the natural one) is geometry, not code: ``row_m``/``col_m``'s lengths."""
+
+    DENSE = "dense"  # Adam's elementwise V (and M when beta is set): 1-D tensors under vector_reshape=False
+    NONE = "none"  # factored V, no first moment (beta=None)
+    SIGN = "sign"  # the paper's: M's 1-bit signs and a rank-1 NNMF of |M|
+    FLAG = "flag"  # SIGN plus a 1-bit magnitude flag and two levels (magnitude_bits=1)
+
+
+def momentum_code(param: Tensor, group: Mapping[str, Any]) -> MomentumCode:
+    """The code of ``param``'s state under ``group``'s options."""
+    if is_dense(param, group):
+        return MomentumCode.DENSE
+    if group["beta"] is None:
+        return MomentumCode.NONE
+    return MomentumCode.FLAG if momentum_option(group, "magnitude_bits") == 1 else MomentumCode.SIGN
 
 
 def momentum_cols(state: Mapping[str, Any], cols: int) -> int:
@@ -88,21 +100,20 @@ def momentum_cols(state: Mapping[str, Any], cols: int) -> int:
 def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpec]:
     """The tensors SMMF keeps for ``param`` between steps (``step`` is a plain int)."""
     dtype = factor_dtype(param)
-    real = real_view(param)
-    has_momentum = group["beta"] is not None
-    if is_dense(param, group):
-        dense = TensorSpec(tuple(real.shape), dtype)
-        return ({EXP_AVG: dense} if has_momentum else {}) | {EXP_AVG_SQ: dense}
+    code = momentum_code(param, group)
+    if code is MomentumCode.DENSE:
+        dense = TensorSpec(tuple(real_view(param).shape), dtype)
+        return ({EXP_AVG: dense} if group["beta"] is not None else {}) | {EXP_AVG_SQ: dense}
     rows, cols = matrix_shape(param)
     layout: dict[str, TensorSpec] = {}
-    if has_momentum:
+    if code is not MomentumCode.NONE:
         info = shard_info(param)
         m_rows, m_cols = momentum_matrix_shape(param, group)
         layout[ROW_M] = TensorSpec((m_rows,), dtype)
         layout[COL_M] = TensorSpec((m_cols,), dtype)
         sign_bytes = packed_sign_bytes(rows * cols) if info is None else info.sign_bytes * (info.world if info.sharded else 1)
         layout[SIGN_M] = TensorSpec((sign_bytes,), torch.uint8)
-        if momentum_option(group, "magnitude_bits") == 1:
+        if code is MomentumCode.FLAG:
             layout[FLAG_M] = TensorSpec((sign_bytes,), torch.uint8)
             layout[LEVELS_M] = TensorSpec((2,), dtype)
     layout[ROW_V] = TensorSpec((rows,), dtype)
@@ -132,9 +143,7 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
     ``beta`` to or from None, ``vector_reshape``, ``momentum_shape``, ``magnitude_bits`` — would be
     ignored, and the optimizer could then not load its own checkpoint)."""
     real = real_view(param)
-    has_momentum, dense = group["beta"] is not None, is_dense(param, group)
-    flag = has_momentum and not dense and momentum_option(group, "magnitude_bits") == 1
-    if (EXP_AVG_SQ in state, EXP_AVG in state or ROW_M in state, FLAG_M in state) != (dense, has_momentum, flag):
+    if set(state) - {STEP} != set(state_layout(param, group)):  # the state was made under another code
         _refuse_layout_change()
     if EXP_AVG_SQ in state:
         got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)

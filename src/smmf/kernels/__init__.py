@@ -1,28 +1,36 @@
-"""The one dispatch point between the torch path and the fused kernels.
+"""The fused kernels: which backends exist, what each covers, and how to get one.
 
-Fused kernels are optional: they are imported lazily, and ``backend="auto"`` falls back to the
-torch path wherever a kernel is missing or does not cover a parameter.
+Fused kernels are optional: a backend's module (and numba or Triton) is imported at its first use.
+Each backend implements :class:`smmf.kernels.contract.Backend`; which one runs a param is decided in
+:mod:`smmf.dispatch`.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
-from typing import Any, Callable
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..functional import Nonfinite, StepConfig, torch_step_
-from ..sharding import is_dtensor, shard_info
-from ..state import EXP_AVG_SQ, momentum_code, real_view
+from ..state import MomentumCode
+from .contract import Backend, Coverage, FlagPass, StepItem
 
-__all__ = ["BACKENDS", "available_backends", "check_backend", "step_kernel"]
+__all__ = ["BACKENDS", "Backend", "Coverage", "FlagPass", "StepItem", "available_backends", "check_backend",
+           "fused_backend", "load_backend"]
 
 BACKENDS = ("auto", "torch", "numba", "triton")
 
-# A kernel updates (param, grad, state, cfg) in place and reports the NaN/inf gradient elements it met.
-StepKernel = Callable[[Tensor, Tensor, dict[str, Any], StepConfig], Nonfinite]
+# Each fused backend: its module (which defines ``BACKEND``) and what it covers. A backend is named
+# after the package it needs.
+FUSED: dict[str, tuple[str, Coverage]] = {
+    "numba": ("smmf.kernels.numba_cpu", Coverage(
+        "cpu", frozenset({torch.float32, torch.float64, torch.bfloat16}), complex_params=False, sharded_complex=False)),
+    "triton": ("smmf.kernels.triton_gpu", Coverage(
+        "cuda", frozenset({torch.float32, torch.bfloat16, torch.float16}), complex_params=True, sharded_complex=False)),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,48 +57,16 @@ def check_backend(name: str) -> None:
         raise RuntimeError(f"backend {name!r} is not available here ({hint})")
 
 
-def _numba_covers(param: Tensor) -> bool:
-    return param.device.type == "cpu" and param.dtype in (torch.float32, torch.float64, torch.bfloat16)
+def load_backend(name: str) -> Backend:
+    """The fused backend ``name`` (its module imported now)."""
+    backend: Backend = importlib.import_module(FUSED[name][0]).BACKEND
+    return backend
 
 
-def _triton_covers(param: Tensor) -> bool:
-    return param.is_cuda and real_view(param).dtype in (torch.float32, torch.bfloat16, torch.float16)
-
-
-def step_kernel(backend: str, param: Tensor, state: dict[str, Any]) -> StepKernel:
-    """The kernel that updates ``param`` under ``backend``.
-
-    ``auto`` takes the Triton kernel for CUDA parameters (fp32, bf16, fp16 and complex of those)
-    and the numba kernel for CPU ones (fp32, fp64, bf16) where installed. The torch path takes the
-    rest: dense 1-D state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU. Both
-    kernels take every code of M (:func:`smmf.state.momentum_code`). DTensor (FSDP2) parameters take
-    the same kernels over their shard (every code; Triton: real dtypes), the rest the sharded torch
-    path. A named fused backend that cannot take ``param``'s device or dtype raises ``RuntimeError``;
-    dense 1-D state and complex CPU params take the torch path whatever backend is named.
-    """
-    if is_dtensor(param):
-        from ..distributed import fused_sharded_step_, sharded_step_
-
-        shard_info(param)  # unsupported placements fail here, before any update
-        fused = (backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba")) or (
-            backend in ("auto", "triton") and _triton_covers(param) and not param.is_complex() and _has_module("triton"))
-        if backend not in ("auto", "torch") and not fused:
-            raise RuntimeError(f"backend {backend!r} cannot update this DTensor parameter ({param.dtype} on "
-                               f"{param.device}, momentum code {momentum_code(state)}); use backend='auto' or 'torch'")
-        return fused_sharded_step_ if fused else sharded_step_
-    if backend == "torch" or EXP_AVG_SQ in state or (param.is_complex() and not param.is_cuda):
-        return torch_step_
-    if backend in ("auto", "numba") and _numba_covers(param) and _has_module("numba"):
-        from .numba_cpu import numba_step_
-
-        return numba_step_
-    if backend in ("auto", "triton") and _triton_covers(param) and _has_module("triton"):
-        from .triton_gpu import triton_step_
-
-        return triton_step_
-    if backend == "auto":
-        return torch_step_
-    raise RuntimeError(
-        f"backend {backend!r} cannot update a {param.dtype} parameter on {param.device}; "
-        "use backend='auto' to fall back to the torch path"
-    )
+def fused_backend(name: str, param: Tensor, code: MomentumCode, sharded: bool = False) -> Optional[Backend]:
+    """The fused backend that takes ``param`` (a whole tensor, or with ``sharded`` an FSDP2 shard)
+    under the backend ``name`` (``auto``: any installed one), or None."""
+    for candidate, (_, coverage) in FUSED.items():
+        if name in ("auto", candidate) and coverage.covers(param, code, sharded) and _has_module(candidate):
+            return load_backend(candidate)
+    return None

@@ -28,7 +28,7 @@ import math
 import os
 import threading
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numba
 import numpy as np
@@ -40,9 +40,10 @@ from torch import Tensor
 
 from ..functional import StepConfig
 from ..matrix import factor_sum_cap
-from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape, momentum_cols
+from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, MomentumCode, matrix_shape, momentum_cols
+from .contract import FlagPass, StepItem
 
-__all__ = ["numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_"]
+__all__ = ["BACKEND", "numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_"]
 
 
 @intrinsic
@@ -879,22 +880,22 @@ def numba_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: 
 
 
 def numba_flag_shard_pass_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
-                           flag_pass: int, new_row_m: Tensor, new_col_m: Tensor, level_sums: Tensor) -> int:
+                           flag_pass: FlagPass) -> int:
     """One of the magnitude flag's two passes over an FSDP2 shard (:func:`numba_shard_step_`'s
-    arguments), for the caller to add up the shards' sums after each. Pass 0 leaves this shard's raw
-    row and column sums of |M| in ``new_row_m``/``new_col_m``; pass 1 encodes against the new
-    factors the caller put there (the sign and flag bits, in place) and leaves the shard's four level
-    sums (Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²) in ``level_sums``. The pass that updates the weights
-    (0, or 1 with L2 decay: M needs the weights before the step) leaves V's raw sums in
-    ``row_v``/``col_v``. ``row_m``, ``col_m`` and ``levels_m`` are the caller's to replace at the end.
-    Returns the NaN/inf gradient elements the updating pass met (0 from the other)."""
+    arguments; :class:`smmf.kernels.FlagPass`). The pass that updates the weights is
+    :func:`updating_flag_pass`'s. Returns the NaN/inf gradient elements the updating pass met (0
+    from the other)."""
     rows, cols = state[ROW_V].numel(), state[COL_V].numel()
-    return _launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel(),
-                   (flag_pass, new_row_m, new_col_m, level_sums))
+    return _launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel(), flag_pass)
+
+
+def updating_flag_pass(cfg: StepConfig) -> int:
+    """0 without L2 decay; 1 with it (M needs the weights before the step, so the first pass only reads)."""
+    return 0 if cfg.folded()[2] == 0 else 1
 
 
 def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, rows: int, cols: int,
-            lo: int, hi: int, flag_pass: Optional[tuple[int, Tensor, Tensor, Tensor]] = None) -> int:
+            lo: int, hi: int, flag_pass: Optional[FlagPass] = None) -> int:
     """Run the kernel over the elements ``lo .. hi`` of the rows × cols matrix that ``weight``
     (contiguous) holds; the factors are normalized when that is the whole matrix. Under the
     magnitude flag a shard takes one pass per call: ``flag_pass`` (:func:`numba_flag_shard_pass_`)."""
@@ -920,14 +921,15 @@ def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig
     scalars = tuple(scalar(x) for x in _scalars(cfg, rows * cols, dtype))
     fits = None
     args: tuple[Any, ...]
-    if has_m and FLAG_M in state:
+    if cfg.code is MomentumCode.FLAG:
         row_m, col_m = state[ROW_M].numpy(), state[COL_M].numpy()
         kernel = _FLAG_KERNELS[parallel]
         if flag_pass is None:
             assert whole, "a shard under the magnitude flag takes numba_flag_shard_pass_"
             passes, new_row_m, new_col_m = (0, 2), np.empty_like(row_m), np.empty_like(col_m)
         else:
-            passes, new_row_m, new_col_m = (flag_pass[0], flag_pass[0] + 1), flag_pass[1].numpy(), flag_pass[2].numpy()
+            passes = (flag_pass.number, flag_pass.number + 1)
+            new_row_m, new_col_m = flag_pass.new_row_m.numpy(), flag_pass.new_col_m.numpy()
         fits = np.empty((blocks, 4), dtype=scalar)
         args = (w, g, state[SIGN_M].numpy(), state[FLAG_M].numpy(), row_m, col_m, new_row_m, new_col_m,
                 state[LEVELS_M].numpy(), state[ROW_V].numpy(), state[COL_V].numpy(), col_acc_m, col_acc_v, row_acc_m,
@@ -945,8 +947,8 @@ def _launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig
             kernel(*args)
     else:
         kernel(*args)
-    if flag_pass is not None and flag_pass[0] == 1:
-        flag_pass[3].copy_(torch.from_numpy(fits.sum(axis=0)))  # type: ignore[union-attr]
+    if flag_pass is not None and flag_pass.number == 1:
+        flag_pass.level_sums.copy_(torch.from_numpy(fits.sum(axis=0)))  # type: ignore[union-attr]
     return int(bad_counts.sum()) if cfg.zero_nonfinite else 0
 
 
@@ -959,19 +961,19 @@ def _scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> list[float]:
             factor_sum_cap(numel, dtype)]
 
 
-def _takes_many(param: Tensor, state: dict[str, Any]) -> bool:
+def _takes_many(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
     """Small contiguous fp32 tensors: their step is mostly per-launch overhead, so they share one."""
     return (param.dtype == torch.float32 and 0 < param.numel() < _PARALLEL_MIN_NUMEL and param.is_contiguous()
-            and state[ROW_V].dtype == torch.float32 and FLAG_M not in state)
+            and state[ROW_V].dtype == torch.float32 and cfg.code is not MomentumCode.FLAG)
 
 
-def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> int:
+def numba_steps_(items: Sequence[StepItem]) -> int:
     """The steps of many tensors: the small fp32 ones in one launch (:func:`_many_kernel`, a lone one
     too), the rest one by one."""
     bad = 0
     rows_of_addresses, sizes, scalars, flags, alive = [], [], [], [], []
     for param, grad, state, cfg in items:
-        if not _takes_many(param, state):
+        if not _takes_many(param, state, cfg):
             bad += _own_launch(param, grad, state, cfg)
             continue
         rows, cols = matrix_shape(param)
@@ -993,4 +995,15 @@ def numba_steps_(items: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]])
     return bad
 
 
-numba_step_.batched = numba_steps_  # type: ignore[attr-defined]
+
+class _Numba:
+    """The numba backend (:class:`smmf.kernels.Backend`)."""
+
+    name = "numba"
+    steps_ = staticmethod(numba_steps_)
+    shard_step_ = staticmethod(numba_shard_step_)
+    flag_shard_pass_ = staticmethod(numba_flag_shard_pass_)
+    updating_flag_pass = staticmethod(updating_flag_pass)
+
+
+BACKEND = _Numba()

@@ -65,9 +65,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ..functional import StepConfig
-from ..state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, matrix_shape, momentum_cols, real_view
+from ..state import (COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, MomentumCode, matrix_shape, momentum_cols,
+                     real_view)
+from .contract import FlagPass, StepItem
 
-__all__ = ["triton_flag_shard_pass_", "triton_shard_step_", "triton_step_", "triton_steps_"]
+__all__ = ["BACKEND", "triton_flag_shard_pass_", "triton_shard_step_", "triton_step_", "triton_steps_"]
 
 # Tile shape and rows per work item. A tile of 4096 elements keeps enough bytes in flight per SM
 # to be bandwidth-bound; BLOCK_COLS is a multiple of 32 (the unaligned sign path packs 32 bits at a
@@ -518,7 +520,7 @@ def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]) -> Optional[Tensor]:
+def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
     """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch per distinct
     (dtype, cfg, alignment) among them. Returns a CUDA counter of NaN/inf gradient elements (a lower
     bound; not synchronized), or None when none of the configs zeroes them."""
@@ -539,7 +541,7 @@ def triton_steps_(items: Sequence[tuple[Tensor, Tensor, dict[str, Any], StepConf
         m = matrix_shape(weight)[1]
         aligned = cfg.beta1 is None or m % 8 == 0
         natural = momentum_cols(state, m) != m
-        key = (*_config_key(cfg, weight.dtype), aligned, natural, FLAG_M in state)
+        key = (*_config_key(cfg, weight.dtype), aligned, natural, cfg.code is MomentumCode.FLAG)
         launches.setdefault(key, []).append((weight, g, state, cfg))
     if not launches:
         return None
@@ -568,19 +570,15 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
 
 
 def triton_flag_shard_pass_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
-                            flag_pass: int, new_row_m: Tensor, new_col_m: Tensor,
-                            level_sums: Tensor) -> Optional[Tensor]:
-    """One of the magnitude flag's two passes over an FSDP2 shard, the contract of
-    :func:`smmf.kernels.numba_cpu.numba_flag_shard_pass_`, except that the second pass always steps
-    the weights (the first, :func:`_momentum_sums_kernel`, only reads): pass 0 leaves |M|'s raw sums
-    in ``new_row_m``/``new_col_m``; pass 1 encodes against the new factors the caller put there, steps
-    the weights, leaves V's raw sums in ``row_v``/``col_v`` and the four level sums in ``level_sums``.
+                            flag_pass: FlagPass) -> Optional[Tensor]:
+    """One of the magnitude flag's two passes over an FSDP2 shard (:class:`smmf.kernels.FlagPass`);
+    the second always steps the weights (the first, :func:`_momentum_sums_kernel`, only reads).
     Returns what :func:`triton_steps_` returns (from pass 1; None from pass 0)."""
-    return _shard_launch(weight, grad, state, cfg, start, (flag_pass, new_row_m, new_col_m, level_sums))
+    return _shard_launch(weight, grad, state, cfg, start, flag_pass)
 
 
 def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
-                  flag_pass: Optional[tuple[int, Tensor, Tensor, Tensor]]) -> Optional[Tensor]:
+                  flag_pass: Optional[FlagPass]) -> Optional[Tensor]:
     n, m = state[ROW_V].numel(), state[COL_V].numel()
     grad = grad.to(weight.dtype).contiguous()
     bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
@@ -591,16 +589,16 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
         _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m_cols, flag),), bad,
                 dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
                 aligned=aligned, normalize=False, natural=m_cols != m, flag=flag, flag_pass=flag_pass)
-    elif flag_pass is None or flag_pass[0] == 1:  # nothing held: no sums to contribute
+    elif flag_pass is None or flag_pass.number == 1:  # nothing held: no sums to contribute
         for key in (ROW_V, COL_V) if flag_pass else (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
                 state[key].zero_()
         if flag_pass:
-            flag_pass[3].zero_()
+            flag_pass.level_sums.zero_()
     else:
-        flag_pass[1].zero_()
-        flag_pass[2].zero_()
-    return bad if cfg.zero_nonfinite and (flag_pass is None or flag_pass[0] == 1) else None
+        flag_pass.new_row_m.zero_()
+        flag_pass.new_col_m.zero_()
+    return bad if cfg.zero_nonfinite and (flag_pass is None or flag_pass.number == 1) else None
 
 
 def _launch(
@@ -613,7 +611,7 @@ def _launch(
     normalize: bool,
     natural: bool,
     flag: bool,
-    flag_pass: Optional[tuple[int, Tensor, Tensor, Tensor]] = None,
+    flag_pass: Optional[FlagPass] = None,
 ) -> None:
     """The launches of one group of tensors (module docstring). ``flag_pass``: one FSDP2 shard under the
     magnitude flag, one of its two passes (:func:`triton_flag_shard_pass_`)."""
@@ -640,7 +638,7 @@ def _launch(
     words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
     blocks = dict(BR=BLOCK_ROWS, BC=BLOCK_COLS, BAND=BAND_ROWS, num_warps=WARPS)
     finish = dict(BLOCK=256, KB=16, COPY_BLOCK=4096, FLAG=flag, num_warps=8)
-    shard_pass = None if flag_pass is None else flag_pass[0]
+    shard_pass = None if flag_pass is None else flag_pass.number
     if (natural or flag) and shard_pass != 1:  # |M|'s sums in M's own view, before the step kernel's writes
         _momentum_sums_kernel[(sums_items.numel(),)](
             meta, sums_items, partial, cfg.beta1, *cfg.folded(), W_DTYPE=_TL_DTYPES[dtype],
@@ -649,14 +647,14 @@ def _launch(
     if flag:  # the new factors of |M| in the partial buffer: the step kernel encodes against them
         new_m, m_rows, m_cols = geometry[0][15], geometry[0][10], geometry[0][9]  # (one tensor when a shard)
         if flag_pass is not None and shard_pass == 1:  # a shard's: the caller's, from every shard's sums
-            partial[new_m : new_m + m_rows].copy_(flag_pass[1])
-            partial[new_m + m_rows : new_m + m_rows + m_cols].copy_(flag_pass[2])
+            partial[new_m : new_m + m_rows].copy_(flag_pass.new_row_m)
+            partial[new_m + m_rows : new_m + m_rows + m_cols].copy_(flag_pass.new_col_m)
         else:
             _finish_kernel[(len(tensors), 1)](meta, partial, words, COPIERS=1, NORMALIZE=normalize, FIRST=1,
                                               MOMENTS=1, TO_SCRATCH=True, **finish)
         if flag_pass is not None and shard_pass == 0:  # this shard's raw sums, for the caller to add up
-            flag_pass[1].copy_(partial[new_m : new_m + m_rows])
-            flag_pass[2].copy_(partial[new_m + m_rows : new_m + m_rows + m_cols])
+            flag_pass.new_row_m.copy_(partial[new_m : new_m + m_rows])
+            flag_pass.new_col_m.copy_(partial[new_m + m_rows : new_m + m_rows + m_cols])
             return
     _step_kernel[(item_tensor.numel(),)](
         meta, item_tensor, partial, words, bad,
@@ -674,7 +672,7 @@ def _launch(
     )
     if flag_pass is not None:  # a shard's second pass: its work items' level sums, added in a fixed order
         items, at = geometry[0][2] * geometry[0][3], geometry[0][16]
-        flag_pass[3].copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
+        flag_pass.level_sums.copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
     elif flag:
         _flag_finish_kernel[(len(tensors),)](meta, partial, BLOCK=256, num_warps=4)
 
@@ -684,4 +682,18 @@ def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCo
     return triton_steps_([(param, grad, state, cfg)])
 
 
-triton_step_.batched = triton_steps_  # type: ignore[attr-defined]
+
+class _Triton:
+    """The Triton backend (:class:`smmf.kernels.Backend`)."""
+
+    name = "triton"
+    steps_ = staticmethod(triton_steps_)
+    shard_step_ = staticmethod(triton_shard_step_)
+    flag_shard_pass_ = staticmethod(triton_flag_shard_pass_)
+
+    @staticmethod
+    def updating_flag_pass(cfg: StepConfig) -> int:
+        return 1  # the first pass is the momentum sums kernel, which only reads
+
+
+BACKEND = _Triton()

@@ -1,0 +1,93 @@
+"""Which path updates a param: the torch path, a fused backend, or their FSDP2 (DTensor) forms.
+
+The one place that decides it (:func:`step_kernel`). It sits above :mod:`smmf.kernels` and
+:mod:`smmf.distributed`, which know nothing of each other's choice: the kernels only declare what
+they cover, and the sharded step only calls the backend it is handed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from torch import Tensor
+
+from .distributed import fused_sharded_step_, sharded_step_
+from .functional import Nonfinite, StepConfig, torch_step_
+from .kernels import FUSED, StepItem, fused_backend, load_backend
+from .sharding import is_dtensor, shard_info
+from .state import MomentumCode
+
+__all__ = ["Kernel", "step_kernel"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How a param's step runs. ``steps_`` updates (param, grad, state, cfg) items in place and
+    reports the NaN/inf gradient elements met; ``batched``: it takes many tensors per call (one launch
+    for them), else the caller hands it one at a time; ``raw_writes``: it writes through raw pointers
+    (or DTensor locals), so the caller bumps the autograd versions an in-place torch op would."""
+
+    name: str
+    steps_: Callable[[Sequence[StepItem]], Nonfinite]
+    batched: bool
+    raw_writes: bool
+
+
+def _one_at_a_time(step_: Callable[[Tensor, Tensor, dict, StepConfig], Nonfinite]) -> Callable[[Sequence[StepItem]], Nonfinite]:
+    def steps_(items: Sequence[StepItem]) -> Nonfinite:
+        (item,) = items
+        return step_(*item)
+
+    return steps_
+
+
+TORCH = Kernel("torch", _one_at_a_time(torch_step_), batched=False, raw_writes=False)
+SHARDED_TORCH = Kernel("sharded torch", _one_at_a_time(sharded_step_), batched=False, raw_writes=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused(name: str, sharded: bool) -> Kernel:
+    backend = load_backend(name)
+    if sharded:
+        return Kernel(f"sharded {name}", _one_at_a_time(functools.partial(fused_sharded_step_, backend=backend)),
+                      batched=False, raw_writes=True)
+    return Kernel(name, backend.steps_, batched=True, raw_writes=True)
+
+
+def _complex_goes_to_torch(param: Tensor) -> bool:
+    """Complex params on a device whose fused backend does not take complex: the torch path, whatever
+    backend is named (as for the dense state)."""
+    return param.is_complex() and not any(
+        coverage.complex_params for _, coverage in FUSED.values() if coverage.device == param.device.type)
+
+
+def step_kernel(backend: str, param: Tensor, code: MomentumCode) -> Kernel:
+    """The path that updates ``param`` (its state stored as ``code``) under ``backend``.
+
+    ``auto`` takes the Triton kernel for CUDA parameters (fp32, bf16, fp16 and complex of those)
+    and the numba kernel for CPU ones (fp32, fp64, bf16) where installed; the torch path the rest:
+    the dense state (``vector_reshape=False``), fp64 on CUDA, fp16 and complex on CPU. DTensor
+    (FSDP2) parameters take the same kernels over their shard (every code; Triton: real dtypes), the
+    rest the sharded torch path. A named fused backend that cannot take ``param``'s device or dtype
+    raises ``RuntimeError``; the dense state and complex CPU params take the torch path whatever
+    backend is named.
+    """
+    sharded = is_dtensor(param)
+    if sharded:
+        shard_info(param)  # unsupported placements fail here, before any update
+    if backend == "torch" or code is MomentumCode.DENSE or (not sharded and _complex_goes_to_torch(param)):
+        return SHARDED_TORCH if sharded else TORCH
+    fused = fused_backend(backend, param, code, sharded)
+    if fused is not None:
+        return _fused(fused.name, sharded)
+    if backend == "auto":
+        return SHARDED_TORCH if sharded else TORCH
+    if sharded:
+        raise RuntimeError(f"backend {backend!r} cannot update this DTensor parameter ({param.dtype} on "
+                           f"{param.device}, momentum code {code.value}); use backend='auto' or 'torch'")
+    raise RuntimeError(
+        f"backend {backend!r} cannot update a {param.dtype} parameter on {param.device}; "
+        "use backend='auto' to fall back to the torch path"
+    )

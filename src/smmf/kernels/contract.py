@@ -1,0 +1,85 @@
+"""The contract between the fused kernels and their callers.
+
+A fused backend (numba on CPU, Triton on CUDA) makes the step of :func:`smmf.functional.torch_step_`
+in place, in one pass over each tensor: for many whole tensors at once (:meth:`Backend.steps_`), and
+over an FSDP2 shard (:meth:`Backend.shard_step_`; the magnitude flag's two passes,
+:meth:`Backend.flag_shard_pass_`), leaving raw factor sums for the caller to add up across ranks.
+What a backend covers is declared beside it in :mod:`smmf.kernels` (:class:`Coverage`); which one
+runs a param is decided in :mod:`smmf.dispatch` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from ..functional import Nonfinite, StepConfig
+from ..state import MomentumCode, real_view
+
+__all__ = ["Backend", "Coverage", "FlagPass", "StepItem"]
+
+# One tensor's step: (param, grad, state, cfg); ``state['step']`` already advanced.
+StepItem = tuple[Tensor, Tensor, dict[str, Any], StepConfig]
+
+
+class FlagPass(NamedTuple):
+    """One of the magnitude flag's two passes over a shard, and where it meets the caller's sums.
+
+    Pass 0 leaves this shard's raw row and column sums of |M| in ``new_row_m``/``new_col_m``; pass 1
+    encodes against the new factors the caller put there (sign and flag bits in place) and leaves the
+    shard's four level sums (Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²) in ``level_sums``. One of the two
+    passes also steps the weights (:meth:`Backend.updating_flag_pass`) and leaves V's raw sums in
+    ``row_v``/``col_v``."""
+
+    number: int  # 0 or 1
+    new_row_m: Tensor
+    new_col_m: Tensor
+    level_sums: Tensor
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """The params a fused backend takes: on ``device``, whose real view is one of ``dtypes``; complex
+    ones (as their real view) where ``complex_params`` (``sharded_complex`` for FSDP2 shards); every
+    code of M but the dense state, which only the torch path takes."""
+
+    device: str
+    dtypes: frozenset[torch.dtype]
+    complex_params: bool
+    sharded_complex: bool
+
+    def covers(self, param: Tensor, code: MomentumCode, sharded: bool) -> bool:
+        if code is MomentumCode.DENSE or param.device.type != self.device:
+            return False
+        if param.is_complex() and not (self.sharded_complex if sharded else self.complex_params):
+            return False
+        return real_view(param).dtype in self.dtypes
+
+
+class Backend(Protocol):
+    """A fused backend. Every method updates in place and returns the NaN/inf gradient elements it
+    met (:data:`smmf.functional.Nonfinite`)."""
+
+    name: str
+
+    def steps_(self, items: Sequence[StepItem]) -> Nonfinite:
+        """The steps of many whole tensors, as few launches as the backend can make of them."""
+
+    def shard_step_(self, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
+                    start: int) -> Nonfinite:
+        """The pass over an FSDP2 shard: ``weight`` (contiguous) and ``grad`` hold the elements
+        ``start ..`` of the parameter's row-major flattening, ``state`` is the rank-local state (whole
+        factor vectors, this shard's bits). Updates the weight and sign bits; leaves this shard's raw
+        row and column sums in the four factor vectors (0 for rows it lacks), for the caller to add
+        up across shards and normalize (:func:`smmf.functional.store_factors_`). Codes SIGN and NONE."""
+
+    def flag_shard_pass_(self, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
+                         flag_pass: FlagPass) -> Nonfinite:
+        """One of the magnitude flag's two passes over a shard (:class:`FlagPass`); ``row_m``,
+        ``col_m`` and ``levels_m`` are the caller's to replace after both."""
+
+    def updating_flag_pass(self, cfg: StepConfig) -> int:
+        """Which of the flag's two shard passes steps the weights (and reports the NaN/inf count)."""
