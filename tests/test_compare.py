@@ -1,4 +1,5 @@
-"""The comparison job: data is deterministic, every baseline trains, the CLI writes everything."""
+"""The comparison job: data is deterministic, every baseline trains, the CLI writes everything;
+state bytes are the real storage of quantized tensor subclasses."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from smmf.bench.compare import train_one
 from smmf.bench.optimizers import DEFAULT_OPTIMIZERS, parse_opt_args
+from smmf.bench.storage import optimizer_state_bytes, storage_bytes
 from smmf.bench.tasks import TASKS, digits_split, pydoc_bytes
 
 pytest.importorskip("pytorch_optimizer")
@@ -78,3 +80,54 @@ def test_compare_reports_mean_and_spread_over_seeds() -> None:
     assert rows[0][final] == "2 ± 1.4" and rows[1][final] == "5"
     early = rows[0][headers.index(f"train loss@{LOSS_AT} (worst seed)")]
     assert early.endswith(f"({loss_at(rising, LOSS_AT):.4g})")  # the worse seed
+
+
+# --------------------------------------------------------------------------- state bytes
+
+
+class _Packed(torch.Tensor):
+    """A tensor subclass that looks like fp32 of ``shape`` but holds 1-byte codes and a scale per 64."""
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32)
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        self.codes, self.scale = codes, scale
+
+    def __tensor_flatten__(self):
+        return ["codes", "scale"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def test_state_bytes_open_tensor_subclasses_and_count_shared_storage_once() -> None:
+    packed = _Packed(torch.zeros(128, 64, dtype=torch.uint8), torch.zeros(128))
+    naive = packed.numel() * packed.element_size()
+    assert naive == 128 * 64 * 4
+    assert storage_bytes([packed]) == 128 * 64 + 128 * 4  # codes + scales, not the wrapper's fp32 look
+    nested = _Packed(_Packed(torch.zeros(8, 8, dtype=torch.uint8), torch.zeros(1)), torch.zeros(2))
+    assert storage_bytes([nested]) == 64 + 4 + 8
+    table = torch.zeros(256)
+    assert storage_bytes([table, table[:10], torch.zeros(3)]) == 1024 + 12  # a shared lookup table is one table
+    assert storage_bytes([torch.zeros(0), torch.zeros(0, 5)]) == 0
+
+    param = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = torch.optim.Adam([param])
+    param.grad = torch.ones_like(param)
+    opt.step()
+    assert optimizer_state_bytes(opt) == 2 * 16 * 4  # exp_avg, exp_avg_sq; the step counter is not counted
+
+
+def test_state_bytes_of_torchao_quantized_state_are_its_inner_tensors() -> None:
+    pytest.importorskip("torchao")
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    eight = OptimState8bit.zeros((128, 64), signed=True, block_size=256)
+    assert storage_bytes([eight]) == 128 * 64 + (128 * 64 // 256) * 4 + 256 * 4  # codes, scales, qmap
+    assert storage_bytes([eight]) < eight.numel() * eight.element_size() / 3  # the naive count is 4 B/element
+    four = OptimState4bit.zeros((128, 64), signed=False, block_size=128)
+    assert storage_bytes([four]) == 128 * 64 // 2 + (128 * 64 // 128) * 4 + 16 * 4  # 4-bit codes, scales, qmap

@@ -20,13 +20,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..memory import state_bytes
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
 from .plots import by_run, plot_all
 from .fresh_process import report, run_child
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
+from .storage import optimizer_state_bytes
 from ..table import format_table
 from .tasks import TASKS, Task
 
@@ -125,7 +125,7 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
         "final_eval": evals[-1] if evals else {},
         "losses": losses,
         "evals": evals,
-        "state_bytes": state_bytes(optimizer),
+        "state_bytes": optimizer_state_bytes(optimizer),
         "peak_bytes": peak_bytes if peak_bytes is not None else peak.peak_bytes(),
         "mean_step_ms": statistics.fmean(step_ms[1:] or step_ms),
         "mean_train_step_ms": statistics.fmean(train_ms[1:] or train_ms),
