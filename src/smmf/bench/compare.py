@@ -3,6 +3,7 @@
 Same seed, initialization and batch order for every optimizer; ``--seeds K`` repeats every run on K
 seeds and reports each figure as mean ± standard deviation over them. Writes a markdown and CSV
 table, a JSON with every curve, and PNG plots (mean curves with a min–max band) to ``--out``.
+The default run is the paper's five optimizers and SMMF with ``momentum_shape="natural"``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
-from .optimizers import DEFAULT_OPTIMIZERS, optimizer_specs, parse_opt_args
+from .optimizers import DEFAULT_OPTIMIZERS, PAPER_SMMF, RECOMMENDED_SMMF, optimizer_specs, parse_opt_args
 from .plots import by_run, plot_all
 from .fresh_process import report, run_child
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
@@ -154,7 +155,7 @@ def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[An
     """One row per (task, optimizer): every figure as mean ± std over the seeds it ran on."""
     headers = ["task", "optimizer", "seeds", "metric", "final", "best", f"train loss@{LOSS_AT} (worst seed)",
                "final train loss", "state KiB", "state / SMMF", f"peak MiB (steps 1-{PEAK_STEPS})", "opt step ms",
-               "train step ms"]
+               "train step ms", "run s"]
     groups = by_run(results)
     smmf_state = {task: runs[0]["state_bytes"] for (task, name), runs in groups.items() if name == "smmf"}
     rows = []
@@ -169,16 +170,30 @@ def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[An
                      _spread([r["best_metric"] for r in runs]), f"{_spread(early)} ({worst:.4g})", _spread(final_loss),
                      first["state_bytes"] / 1024, ratio, statistics.fmean(peaks) if peaks else None,
                      statistics.fmean(r["mean_step_ms"] for r in runs),
-                     statistics.fmean(r["mean_train_step_ms"] for r in runs)])
+                     statistics.fmean(r["mean_train_step_ms"] for r in runs),
+                     statistics.fmean(r.get("wall_s", float("nan")) for r in runs)])
     return headers, rows
+
+
+def smmf_note(results: list[dict[str, Any]]) -> str:
+    """Which SMMF row is the paper's algorithm and which the recommended option (where they ran)."""
+    labels = {r["optimizer"]: r["label"] for r in results}
+    notes = []
+    if PAPER_SMMF in labels:
+        notes.append(f"{labels[PAPER_SMMF]} is the paper's algorithm (M square-matricized)")
+    if RECOMMENDED_SMMF in labels:
+        notes.append(f"{labels[RECOMMENDED_SMMF]} is the recommended option (momentum_shape=\"natural\": "
+                     "M factored in the tensor's own shape; see docs/beyond-the-paper.md)")
+    return "; ".join(notes) + "." if notes else ""
 
 
 def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     headers, rows = summary_rows(results)
+    note = smmf_note(results)
     (out / "results.md").write_text(
         f"Command: `{meta['command']}`  \nCode: commit {meta['code']}  \nMachine: {meta['machine']}\n\n"
-        + format_table(headers, rows, "markdown")
+        + format_table(headers, rows, "markdown") + (f"\n{note}\n" if note else "")
     )
     (out / "results.csv").write_text(format_table(headers, rows, "csv"))
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
@@ -209,7 +224,9 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
                 job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
                            steps=n_steps, eval_every=eval_every, seed=run_seed, device=str(device),
                            progress=show_progress)
-                results.append({**train_in_fresh_process(job), "seed": run_seed})
+                started = time.perf_counter()
+                result = train_in_fresh_process(job)
+                results.append({**result, "seed": run_seed, "wall_s": time.perf_counter() - started})
     return results
 
 
@@ -304,6 +321,9 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     write_outputs(results, meta, out)
     headers, rows = summary_rows(results)
     print(format_table(headers, rows))
+    note = smmf_note(results)
+    if note:
+        print(note)
     print(f"wrote {out}/results.md, results.csv, results.json, loss.png, metric.png, state_memory.png "
           f"({meta['seconds']:.0f} s on {meta['machine']})")
     return 0

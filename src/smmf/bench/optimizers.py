@@ -66,7 +66,11 @@ def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
     }
 
 
-DEFAULT_OPTIMIZERS = OPTIMIZERS  # the paper's five; the SMMF variants and "adafactor-torch" are opt-in
+# The paper's five, and SMMF with M in the tensor's natural shape (the recommended option); the
+# flag variant and "adafactor-torch" are opt-in.
+DEFAULT_OPTIMIZERS = (*OPTIMIZERS, "smmf-natural")
+PAPER_SMMF = "smmf"
+RECOMMENDED_SMMF = "smmf-natural"
 
 
 def parse_opt_args(items: list[str]) -> dict[str, dict[str, Any]]:
