@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
 
 from smmf.bench.shapes import gpt2_like_shapes, gpt2_xl_like_shapes, gpt2_xl_subset_shapes, make_params
-from smmf.bench.bench import LIMIT, extra_peak_ratio, format_results, interleaved_medians, optim_map
+from smmf.bench.bench import LIMIT, bytes_per_param, extra_peak_ratio, format_results, interleaved_medians, optim_map
 from smmf.kernels import available_backends
 
 
@@ -41,6 +43,40 @@ def test_every_benchmarked_optimizer_steps_and_the_table_reports_ratios() -> Non
     if "numba" in available_backends():
         assert {"SMMF natural(numba)", "SMMF natural+flag(numba)"} <= set(optim_map("cpu", momentum_codes=True))
         assert not any("natural" in name for name in optim_map("cpu"))  # opt-in
+
+
+PEER_ROWS = {"AdamW8bit(torchao)": "torchao", "AdamW4bit(torchao)": "torchao",
+             "AdamW8bit(bitsandbytes)": "bitsandbytes", "AdamW_adv factored(adv_optm)": "adv_optm"}
+
+
+def test_peers_are_opt_in_rows_with_their_state_bytes() -> None:
+    installed = {row for row, module in PEER_ROWS.items() if importlib.util.find_spec(module)}
+    if not installed:
+        pytest.skip("no peer installed (pip install smmf[peers])")
+    assert not set(PEER_ROWS) & set(optim_map("cpu"))
+    peers = {name: f for name, f in optim_map("cpu", peers=True).items() if name in PEER_ROWS}
+    assert set(peers) == installed
+    params = make_params([(128, 64)])  # one shape: torchao compiles its step once
+    state: dict[str, int] = {}
+    seconds = interleaved_medians({"Adam(foreach)": optim_map("cpu")["Adam(foreach)"], **peers}, params, repeats=2,
+                                  device="cpu", limit=False, state_bytes=state)
+    assert state["Adam(foreach)"] == 2 * 128 * 64 * 4
+    for name in peers:
+        assert 0 < state[name] < state["Adam(foreach)"] / 3, name  # 8-bit, 4-bit or factored moments
+        assert bytes_per_param(name) < 28
+    seconds[LIMIT] = 1e-6
+    results = {"device": "cpu", "threads": 1, "repeats": 2, "baseline": "Adam(foreach)", "copy_bytes_per_second": 1e10,
+               "params": {"tiny": 128 * 64}, "step_seconds": {"tiny": seconds}, "state_bytes": {"tiny": state},
+               "extra_peak_over_param_bytes": {}}
+    text = format_results(results)
+    assert "state MiB" in text and all(name in text for name in peers)
+
+
+def test_a_missing_peer_is_left_out_with_a_note(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
+    names = optim_map("cpu", peers=True)
+    assert "AdamW8bit(bitsandbytes)" not in names and "Adam(fused)" in names
+    assert "skipping AdamW8bit(bitsandbytes): bitsandbytes is not available" in capsys.readouterr().err
 
 
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),

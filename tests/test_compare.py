@@ -1,17 +1,18 @@
-"""The comparison job: data is deterministic, every baseline trains, the CLI writes everything;
-state bytes are the real storage of quantized tensor subclasses."""
+"""The comparison job: data is deterministic, every baseline trains, the CLI writes everything; a
+missing peer is a skipped row, state bytes are the real storage of quantized tensor subclasses."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 
-from smmf.bench.compare import train_one
-from smmf.bench.optimizers import DEFAULT_OPTIMIZERS, parse_opt_args
+from smmf.bench.compare import summary_rows, train_one
+from smmf.bench.optimizers import DEFAULT_OPTIMIZERS, PEERS, optimizer_specs, parse_opt_args
 from smmf.bench.storage import optimizer_state_bytes, storage_bytes
-from smmf.bench.tasks import TASKS, digits_split, pydoc_bytes
+from smmf.bench.tasks import TASKS, Task, digits_split, pydoc_bytes
 
 pytest.importorskip("pytorch_optimizer")
 pytest.importorskip("sklearn")
@@ -83,6 +84,61 @@ def test_compare_reports_mean_and_spread_over_seeds() -> None:
     assert rows[0][final] == "2 ± 1.4" and rows[1][final] == "5"
     early = rows[0][headers.index(f"train loss@{LOSS_AT} (worst seed)")]
     assert early.endswith(f"({loss_at(rising, LOSS_AT):.4g})")  # the worse seed
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def test_missing_peer_is_a_skipped_row_with_a_note(tmp_path, monkeypatch, capsys) -> None:
+    from smmf.cli import main
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if torchao were not installed
+    out = tmp_path / "run"
+    assert main(["compare", "--tasks", "digits-cnn", "--optimizers", "torchao-adamw8bit", "--steps", "2",
+                 "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "skipping torchao-adamw8bit: torchao is not available" in captured.err
+    data = json.loads((out / "results.json").read_text())
+    assert [(r["optimizer"], "torchao" in r["skipped"]) for r in data["results"]] == [("torchao-adamw8bit", True)]
+    assert "skipped: torchao is not available" in (out / "results.md").read_text()
+    headers, rows = summary_rows(data["results"] + [
+        {"task": "digits-cnn", "optimizer": "adam", "label": "Adam", "metric": "m", "final_metric": 1.0,
+         "best_metric": 1.0, "losses": [1.0], "state_bytes": 2048, "peak_bytes": None, "mean_step_ms": 1.0,
+         "mean_train_step_ms": 1.0, "wall_s": 3.0}])
+    assert len(rows) == 2 and rows[0][3].startswith("skipped") and rows[1][headers.index("state KiB")] == 2
+
+
+def _two_layer_task() -> Task:
+    """Regression with two weights (8192 elements: quantized by the 8/4-bit peers; 512: kept in fp32),
+    so that torchao compiles its step for two shapes only."""
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.Tanh(),
+                                   torch.nn.Linear(128, 4, bias=False))
+
+    def batches(seed: int, device: torch.device):
+        gen = torch.Generator().manual_seed(seed)
+        while True:
+            x = torch.randn(32, 64, generator=gen)
+            yield x, x[:, :4] - x[:, 4:8]
+
+    def loss(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    return Task("two-layer", "transformer", "loss", False, 8, build, batches, loss,
+                lambda model, device: {"loss": loss(model, next(batches(99, device))).item()})
+
+
+@pytest.mark.parametrize("name", list(PEERS))
+def test_every_installed_peer_trains_and_reports_its_state(name: str) -> None:
+    spec = optimizer_specs("transformer")[name]
+    pytest.importorskip(spec.requires)
+    task, cpu = _two_layer_task(), torch.device("cpu")
+    result = train_one(task, name, {}, steps=8, eval_every=8, seed=0, device=cpu, show_progress=False)
+    adamw = train_one(task, "adamw", {}, steps=8, eval_every=8, seed=0, device=cpu, show_progress=False)
+    assert not result["diverged"] and result["losses"][-1] < result["losses"][0]
+    assert 0 < result["state_bytes"] < adamw["state_bytes"] / 2  # quantized or factored: under half of AdamW's
+    assert adamw["state_bytes"] == 2 * 4 * (64 * 128 + 128 * 4)
 
 
 # --------------------------------------------------------------------------- state bytes

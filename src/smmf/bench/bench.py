@@ -7,6 +7,10 @@ them): each optimizer's median step time, as a ratio to the strongest Adam on th
 access pattern of a bandwidth-bound SMMF step — and as achieved GB/s (the bytes each optimizer must
 move ÷ time). Extra peak memory of one step over the parameter bytes: on CPU the RSS high-water
 mark of one 8192×4096 step in a fresh process, on CUDA ``max_memory_allocated`` over each set.
+Optimizer state of each set, counted as ``smmf compare`` counts it (distinct storages, quantized
+tensor subclasses opened to their inner tensors). ``--peers`` adds torchao's and bitsandbytes' 8-bit
+(and torchao's 4-bit) AdamW and adv_optm's factored AdamW, each skipped with a note when its package
+is missing.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from functools import partial
 from typing import Any, Callable
@@ -26,6 +31,8 @@ from .. import SMMF
 from ..kernels import available_backends
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .fresh_process import report, run_child
+from .optimizers import PEERS, missing_package, optimizer_specs
+from .storage import optimizer_state_bytes
 from .procfs import reset_peak_rss, status_kib
 from .progress import progress
 from .shapes import (
@@ -51,16 +58,37 @@ LIMIT = "axpy (limit)"
 # Bytes per fp32 parameter that one step must move: read the gradient, read and write the weight
 # and every state tensor of the parameter's size (SMMF: the 1-bit signs, 2 × 1/8 B).
 # The magnitude flag's two passes read the gradient twice and its bits once more (16.5 B).
+# 8-bit moments: 2 × 2 B read and written; 4-bit: 2 × 2 × 1/2 B; the factored AdamW_adv: SMMF's pattern.
 BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25, "SMMF natural": 12.25,
-                   "SMMF natural+flag": 16.5, "axpy": 12.0}
+                   "SMMF natural+flag": 16.5, "axpy": 12.0, "AdamW8bit": 16.0, "AdamW4bit": 14.0,
+                   "AdamW_adv factored": 12.25}
 # Beyond the paper, opt-in (``--momentum-codes``): SMMF's other codes for M on the fused kernel.
 MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"),
                   "SMMF natural+flag": dict(momentum_shape="natural", magnitude_bits=1)}
 
 
-def optim_map(device: str, momentum_codes: bool = False) -> dict[str, OptimFactory]:
+def peer_factories(quiet: bool = False) -> dict[str, OptimFactory]:
+    """The peers whose packages import here, as ``"AdamW8bit(torchao)"`` etc.: their library defaults
+    with lr 1e-3 and no weight decay, as the torch baselines run. A missing one is left out, with a note
+    on stderr."""
+    table: dict[str, OptimFactory] = {}
+    for name, spec in optimizer_specs("transformer").items():
+        if name not in PEERS:
+            continue
+        why = missing_package(spec)
+        label = spec.label.replace(" (", "(")  # "AdamW8bit(torchao)": the table's name(backend) form
+        if why:
+            if not quiet:
+                print(f"{PROG}: skipping {label}: {why}", file=sys.stderr, flush=True)
+            continue
+        table[label] = partial(spec.build, lr=1e-3, weight_decay=0.0, **PEERS[name][3])
+    return table
+
+
+def optim_map(device: str, momentum_codes: bool = False, peers: bool = False, quiet: bool = False
+              ) -> dict[str, OptimFactory]:
     """The candidates on ``device``, strongest baseline first; with ``momentum_codes``, SMMF's opt-in
-    codes for M on the fused kernel too."""
+    codes for M on the fused kernel too; with ``peers``, the peers that are installed."""
     adam, fused = ("AdamW", "triton") if device == "cuda" else ("Adam", "numba")
     adam_cls = getattr(torch.optim, adam)
     table: dict[str, OptimFactory] = {
@@ -74,6 +102,8 @@ def optim_map(device: str, momentum_codes: bool = False) -> dict[str, OptimFacto
         if momentum_codes:
             for name, options in MOMENTUM_CODES.items():
                 table[f"{name}({fused})"] = partial(SMMF, backend=fused, **options)
+    if peers:
+        table |= peer_factories(quiet)
     return table
 
 
@@ -99,13 +129,17 @@ def _timed(fn: Callable[[], object], device: str) -> float:
 
 
 def interleaved_medians(
-    factories: dict[str, OptimFactory], params: list[torch.nn.Parameter], repeats: int, device: str, limit: bool = True
+    factories: dict[str, OptimFactory], params: list[torch.nn.Parameter], repeats: int, device: str, limit: bool = True,
+    state_bytes: dict[str, int] | None = None,
 ) -> dict[str, float]:
-    """Median step seconds of each optimizer (and of the axpy limit), timed round-robin on the same params."""
+    """Median step seconds of each optimizer (and of the axpy limit), timed round-robin on the same params;
+    each optimizer's state bytes go into ``state_bytes`` when given."""
     optimizers = {name: factory(params) for name, factory in factories.items()}
-    for opt in optimizers.values():
+    for name, opt in optimizers.items():
         for _ in range(2):  # state creation and JIT compilation are not timed
             opt.step()
+        if state_bytes is not None:
+            state_bytes[name] = optimizer_state_bytes(opt)
     steps: dict[str, Callable[[], object]] = {name: opt.step for name, opt in optimizers.items()}
     if limit:
         numel = sum(p.numel() for p in params)
@@ -160,7 +194,7 @@ def set_threads(threads: int) -> None:
 def _peak_child(name: str) -> None:
     """In a fresh process: extra RSS high-water mark of one step over the resident size before it."""
     params = make_params([PEAK_SHAPE])
-    opt = optim_map("cpu", momentum_codes=True)[name](params)
+    opt = optim_map("cpu", momentum_codes=True, peers=True, quiet=True)[name](params)
     opt.step()  # state and JIT first: the figure is the step's temporaries
     gc.collect()
     if not reset_peak_rss():
@@ -178,8 +212,8 @@ def extra_peak_ratio(name: str) -> float:
 
 
 def run(sets: list[str], repeats: int, device: str, peak: bool, show_progress: bool = True,
-        momentum_codes: bool = False) -> dict[str, Any]:
-    optims = optim_map(device, momentum_codes)
+        momentum_codes: bool = False, peers: bool = False) -> dict[str, Any]:
+    optims = optim_map(device, momentum_codes, peers)
     cpu_peak = peak and device == "cpu" and os.path.exists("/proc/self/clear_refs")
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -189,6 +223,7 @@ def run(sets: list[str], repeats: int, device: str, peak: bool, show_progress: b
         "copy_bytes_per_second": copy_bandwidth(device),
         "params": {},
         "step_seconds": {},
+        "state_bytes": {},
         "extra_peak_over_param_bytes": {},
     }
     jobs: list[tuple[str, str]] = [(s, "time") for s in sets]
@@ -209,7 +244,8 @@ def run(sets: list[str], repeats: int, device: str, peak: bool, show_progress: b
             loaded = set_name
             results["params"][set_name] = sum(p.numel() for p in params)
         if what == "time":
-            results["step_seconds"][set_name] = interleaved_medians(optims, params, repeats, device)
+            state = results["state_bytes"].setdefault(set_name, {})
+            results["step_seconds"][set_name] = interleaved_medians(optims, params, repeats, device, state_bytes=state)
         else:
             results["extra_peak_over_param_bytes"].setdefault(set_name, {})[what] = cuda_extra_peak(optims[what], params)
     return results
@@ -219,9 +255,10 @@ def format_results(results: dict[str, Any], fmt: str = "table") -> str:
     baseline = results["baseline"]
     sets = list(results["step_seconds"])
     names = list(next(iter(results["step_seconds"].values())))
+    states = results.get("state_bytes", {})
     headers = ["optimizer"]
     for s in sets:
-        headers += [f"{s} ms", "ms/M params", f"/ {baseline}", "/ axpy", "GB/s"]
+        headers += [f"{s} ms", "ms/M params", f"/ {baseline}", "/ axpy", "GB/s"] + (["state MiB"] if s in states else [])
     peaks = results["extra_peak_over_param_bytes"]
     headers += [f"extra peak / param bytes ({s})" for s in peaks]
     rows = []
@@ -232,6 +269,8 @@ def format_results(results: dict[str, Any], fmt: str = "table") -> str:
             t = times[name]
             numel = results["params"][s]
             row += [t * 1e3, t * 1e9 / numel, t / times[baseline], t / times[LIMIT], bytes_per_param(name) * numel / t / 1e9]
+            if s in states:
+                row.append(states[s][name] / 2**20 if name in states[s] else None)
         row += [peaks[s].get(name) for s in peaks]
         rows.append(row)
     title = (
@@ -253,6 +292,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--momentum-codes", action="store_true",
                         help="also SMMF's opt-in codes for M on the numba kernel (natural shape, + magnitude flag)")
+    parser.add_argument("--peers", action="store_true",
+                        help="also torchao AdamW8bit/AdamW4bit, bitsandbytes AdamW8bit and adv_optm's factored AdamW_adv "
+                             "(each skipped, with a note, when its package is missing)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv"])
     parser.add_argument("--training", action="store_true",
@@ -297,7 +339,8 @@ def main(args: argparse.Namespace | None = None) -> int:
     cuda_or_fail(PROG, args.device)
     if args.threads is not None:
         set_threads(args.threads)
-    results = run(sets, args.repeats, args.device, not args.no_peak, momentum_codes=args.momentum_codes)
+    results = run(sets, args.repeats, args.device, not args.no_peak, momentum_codes=args.momentum_codes,
+                  peers=args.peers)
     print(json.dumps(results, indent=2) if args.json else format_results(results, args.format))
     return 0
 

@@ -3,7 +3,9 @@
 Same seed, initialization and batch order for every optimizer; ``--seeds K`` repeats every run on K
 seeds and reports each figure as mean ± standard deviation over them. Writes a markdown and CSV
 table, a JSON with every curve, and PNG plots (mean curves with a min–max band) to ``--out``.
-The default run is the paper's five optimizers and SMMF with ``momentum_shape="natural"``.
+The default run is the paper's five optimizers and SMMF with ``momentum_shape="natural"``; the peers
+(``--optimizers ...,torchao-adamw8bit``) are opt-in. A peer whose package is missing is a skipped row,
+with a note.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -22,7 +25,8 @@ from typing import Any, Optional
 import torch
 
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
-from .optimizers import DEFAULT_OPTIMIZERS, PAPER_SMMF, RECOMMENDED_SMMF, optimizer_specs, parse_opt_args
+from .optimizers import (DEFAULT_OPTIMIZERS, PAPER_SMMF, RECOMMENDED_SMMF, missing_package, optimizer_specs,
+                         parse_opt_args)
 from .plots import by_run, plot_all
 from .fresh_process import report, run_child
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
@@ -152,15 +156,20 @@ def _spread(values: list[float]) -> str:
 
 
 def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    """One row per (task, optimizer): every figure as mean ± std over the seeds it ran on."""
+    """One row per (task, optimizer): every figure as mean ± std over the seeds it ran on; a skipped
+    optimizer (its package missing) is a row that says why."""
     headers = ["task", "optimizer", "seeds", "metric", "final", "best", f"train loss@{LOSS_AT} (worst seed)",
                "final train loss", "state KiB", "state / SMMF", f"peak MiB (steps 1-{PEAK_STEPS})", "opt step ms",
                "train step ms", "run s"]
     groups = by_run(results)
-    smmf_state = {task: runs[0]["state_bytes"] for (task, name), runs in groups.items() if name == "smmf"}
+    smmf_state = {task: runs[0]["state_bytes"] for (task, name), runs in groups.items()
+                  if name == "smmf" and not runs[0].get("skipped")}
     rows = []
     for (task, _), runs in groups.items():
         first = runs[0]
+        if first.get("skipped"):
+            rows.append([task, first["label"], 0, f"skipped: {first['skipped']}", *[None] * (len(headers) - 4)])
+            continue
         ratio = first["state_bytes"] / smmf_state[task] if smmf_state.get(task) else None
         peaks = [r["peak_bytes"] / 2**20 for r in runs if r["peak_bytes"] is not None]
         early = [loss_at(r["losses"], LOSS_AT) for r in runs]
@@ -177,7 +186,7 @@ def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[An
 
 def smmf_note(results: list[dict[str, Any]]) -> str:
     """Which SMMF row is the paper's algorithm and which the recommended option (where they ran)."""
-    labels = {r["optimizer"]: r["label"] for r in results}
+    labels = {r["optimizer"]: r["label"] for r in results if not r.get("skipped")}
     notes = []
     if PAPER_SMMF in labels:
         notes.append(f"{labels[PAPER_SMMF]} is the paper's algorithm (M square-matricized)")
@@ -197,7 +206,9 @@ def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path
     )
     (out / "results.csv").write_text(format_table(headers, rows, "csv"))
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    plot_all(results, out)
+    ran = [r for r in results if not r.get("skipped")]
+    if ran:
+        plot_all(ran, out)
 
 
 def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device) -> None:
@@ -214,12 +225,21 @@ def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device)
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,
         opt_args: list[str], quick: bool, show_progress: bool = True, seeds: int = 1) -> list[dict[str, Any]]:
     """Every (task, optimizer, seed) run, each in a fresh process (see :func:`train_in_fresh_process`);
-    seeds ``seed .. seed + seeds - 1``."""
+    seeds ``seed .. seed + seeds - 1``. An optimizer whose package is missing gets one skipped entry
+    per task (and a note on stderr) instead of runs."""
     results = []
+    skipped = {name: why for name in optimizers if (why := missing_package(optimizer_specs("cnn")[name]))}
+    for name, why in skipped.items():
+        print(f"{PROG}: skipping {name}: {why}", file=sys.stderr, flush=True)
     for task_name in tasks:
         n_steps = steps or (20 if quick else TASKS[task_name].default_steps)
         eval_every = max(1, n_steps // (4 if quick else 20))
         for name in optimizers:
+            if name in skipped:
+                label = optimizer_specs(TASKS[task_name].kind)[name].label
+                results.append({"task": task_name, "optimizer": name, "label": label, "skipped": skipped[name],
+                                "seed": seed})
+                continue
             for run_seed in range(seed, seed + seeds):
                 job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
                            steps=n_steps, eval_every=eval_every, seed=run_seed, device=str(device),
@@ -296,6 +316,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
             fail(PROG, f"--opt-args names {name!r}, which is not among --optimizers {optimizers}")
         for kind in sorted({TASKS[t].kind for t in tasks}):
             spec = optimizer_specs(kind)[name]
+            if missing_package(spec):
+                continue  # skipped when it runs
             try:
                 spec.build(probe, **{**spec.kwargs, **overrides})
             except (TypeError, ValueError) as err:
@@ -324,8 +346,8 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     note = smmf_note(results)
     if note:
         print(note)
-    print(f"wrote {out}/results.md, results.csv, results.json, loss.png, metric.png, state_memory.png "
-          f"({meta['seconds']:.0f} s on {meta['machine']})")
+    plots = ", loss.png, metric.png, state_memory.png" if any(not r.get("skipped") for r in results) else ""
+    print(f"wrote {out}/results.md, results.csv, results.json{plots} ({meta['seconds']:.0f} s on {meta['machine']})")
     return 0
 
 

@@ -5,13 +5,20 @@ the learning rate: the tables' 1.5e-4 is for 500k iterations, and every optimize
 paper's general advice of 1e-3 (Adafactor in the CNN table uses its relative step instead). Weight
 decay is Adam-style (L2) for all, as the paper ran them. Every optimizer gets the same warmup +
 cosine schedule except relative-step Adafactor, which schedules itself; none is tuned further.
+
+Peers (opt-in, each an optional package, ``pip install smmf[peers]``): torchao's ``AdamW8bit`` and
+``AdamW4bit`` (block-wise quantized moments), bitsandbytes' ``AdamW8bit`` and adv_optm's ``AdamW_adv``
+with ``state_precision="factored"`` (a 1-bit sign and rank-1 factors, SMMF-style, with bias
+correction). All four are AdamW: decoupled weight decay, with the task's weight-decay figure; the
+``adamw`` row is torch's AdamW with the same arguments, their full-precision reference.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -25,6 +32,18 @@ class OptimizerSpec:
     build: Callable[..., torch.optim.Optimizer]
     kwargs: dict[str, Any]
     scheduled: bool = True  # False: the optimizer sets its own step size
+    requires: Optional[str] = None  # the optional package it comes from (a peer), imported when built
+
+
+def missing_package(spec: OptimizerSpec) -> Optional[str]:
+    """Why ``spec`` cannot be built here (its package is not installed or fails to import), or None."""
+    if spec.requires is None:
+        return None
+    try:
+        importlib.import_module(spec.requires)
+    except Exception as err:  # a broken install (e.g. a missing native library) is as good as none
+        return f"{spec.requires} is not available ({type(err).__name__}: {err}); pip install smmf[peers]"
+    return None
 
 
 def _pyopt(name: str) -> Callable[..., torch.optim.Optimizer]:
@@ -36,9 +55,19 @@ def _pyopt(name: str) -> Callable[..., torch.optim.Optimizer]:
     return build
 
 
+def _peer(module: str, name: str) -> Callable[..., torch.optim.Optimizer]:
+    def build(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        return getattr(importlib.import_module(module), name)(params, **kwargs)
+
+    return build
+
+
+KINDS = ("cnn", "transformer")
+
+
 def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
-    if kind not in ("cnn", "transformer"):
-        raise ValueError(f"Unknown task kind: {kind!r}. It needs to be one of ['cnn', 'transformer']")
+    if kind not in KINDS:
+        raise ValueError(f"Unknown task kind: {kind!r}. It needs to be one of {list(KINDS)}")
     cnn = kind == "cnn"
     wd = 5e-4 if cnn else 1e-2
     lr = 1e-3
@@ -50,6 +79,7 @@ def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
         adafactor |= dict(lr=lr, relative_step=False, scale_parameter=False)
     smmf = dict(lr=lr, beta=0.9, eps=1e-8, weight_decay=wd, weight_decay_mode="adam", decay_rate=-0.5,
                 growth_rate=0.999)
+    adamw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
     return {
         "adam": OptimizerSpec("Adam", torch.optim.Adam, dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)),
         "adafactor": OptimizerSpec("Adafactor", _pyopt("AdaFactor"), adafactor, scheduled=not cnn),
@@ -63,11 +93,22 @@ def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
                                            smmf | dict(momentum_shape="natural", magnitude_bits=1)),
         "adafactor-torch": OptimizerSpec("Adafactor (torch, no β1)", torch.optim.Adafactor,
                                          dict(lr=1e-2, beta2_decay=-0.8, weight_decay=wd)),
+        "adamw": OptimizerSpec("AdamW (torch)", torch.optim.AdamW, adamw),
+        **{name: OptimizerSpec(label, _peer(module, cls), adamw | extra, requires=module.partition(".")[0])
+           for name, (label, module, cls, extra) in PEERS.items()},
     }
 
 
+# name: (label, module, class, arguments beyond AdamW's)
+PEERS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    "torchao-adamw8bit": ("AdamW8bit (torchao)", "torchao.optim", "AdamW8bit", {}),
+    "torchao-adamw4bit": ("AdamW4bit (torchao)", "torchao.optim", "AdamW4bit", {}),
+    "bnb-adamw8bit": ("AdamW8bit (bitsandbytes)", "bitsandbytes.optim", "AdamW8bit", {}),
+    "adv-adamw-factored": ("AdamW_adv factored (adv_optm)", "adv_optm", "AdamW_adv", dict(state_precision="factored")),
+}
+
 # The paper's five, and SMMF with M in the tensor's natural shape (the recommended option); the
-# flag variant and "adafactor-torch" are opt-in.
+# flag variant, "adafactor-torch", "adamw" and the peers are opt-in.
 DEFAULT_OPTIMIZERS = (*OPTIMIZERS, "smmf-natural")
 PAPER_SMMF = "smmf"
 RECOMMENDED_SMMF = "smmf-natural"
