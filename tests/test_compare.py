@@ -1,18 +1,22 @@
-"""The comparison job: data is deterministic, every baseline trains, the CLI writes everything; a
-missing peer is a skipped row, state bytes are the real storage of quantized tensor subclasses."""
+"""The comparison job: data is deterministic, every baseline trains, the CLI writes everything;
+the opt-in tasks build and train at tiny sizes, the pretrained checkpoint is cached, a missing peer
+is a skipped row, state bytes are the real storage of quantized tensor subclasses."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
 import torch
 
+from smmf.bench import tasks as tasks_module
 from smmf.bench.compare import summary_rows, train_one
 from smmf.bench.optimizers import DEFAULT_OPTIMIZERS, PEERS, optimizer_specs, parse_opt_args
 from smmf.bench.storage import optimizer_state_bytes, storage_bytes
-from smmf.bench.tasks import TASKS, Task, digits_split, pydoc_bytes
+from smmf.bench.tasks import (DEFAULT_TASKS, TASKS, ByteGPT, Task, digits_split, finetune_lm_task, is_held_out,
+                              pretrained_checkpoint, pydoc_bytes, stdlib_bytes, stdlib_files, stdlib_lm_task)
 
 pytest.importorskip("pytorch_optimizer")
 pytest.importorskip("sklearn")
@@ -59,8 +63,8 @@ def test_cli_quick_run_writes_all_outputs(tmp_path) -> None:
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
     runs = {(r["task"], r["optimizer"]) for r in data["results"]}
-    assert runs == {(t, o) for t in TASKS for o in DEFAULT_OPTIMIZERS}
-    assert "smmf-natural" in DEFAULT_OPTIMIZERS
+    assert runs == {(t, o) for t in DEFAULT_TASKS for o in DEFAULT_OPTIMIZERS}
+    assert "smmf-natural" in DEFAULT_OPTIMIZERS and set(DEFAULT_TASKS) == {"digits-cnn", "pydoc-lm"}
     table = (out / "results.md").read_text()
     assert "SMMF is the paper's algorithm" in table and "SMMF natural is the recommended option" in table
     smmf = next(r for r in data["results"] if r["optimizer"] == "smmf")
@@ -84,6 +88,98 @@ def test_compare_reports_mean_and_spread_over_seeds() -> None:
     assert rows[0][final] == "2 ± 1.4" and rows[1][final] == "5"
     early = rows[0][headers.index(f"train loss@{LOSS_AT} (worst seed)")]
     assert early.endswith(f"({loss_at(rising, LOSS_AT):.4g})")  # the worse seed
+
+
+# --------------------------------------------------------------------------- opt-in tasks
+
+TINY = ByteGPT(n_layer=1, n_embd=32, n_head=2, context=32, batch=4)
+
+
+def test_stdlib_corpus_is_split_by_file(tmp_path) -> None:
+    files = stdlib_files()
+    assert files == sorted(files) and len(files) > 500
+    assert not any(part in ("site-packages", "dist-packages", "pydoc_data") for f in files for part in f.split("/"))
+    held = [f for f in files if is_held_out(f)]
+    assert 0.02 < len(held) / len(files) < 0.1
+    # A small library: every file lands whole on one side, in sorted order, each followed by NUL.
+    names = [f"pkg/m{i}.py" for i in range(60)] + ["z.py", "site-packages/x.py", "pydoc_data/topics.py"]
+    for i, name in enumerate(names):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(f"# file {i}\n".encode())
+    kept = sorted(names[:61])
+    assert stdlib_files(tmp_path) == kept
+    train, held_out = stdlib_bytes(str(tmp_path))
+    expect = {side: b"".join((tmp_path / f).read_bytes() + b"\0" for f in kept if is_held_out(f) == side)
+              for side in (False, True)}
+    assert bytes(train.tolist()) == expect[False] and bytes(held_out.tolist()) == expect[True]
+    assert len(expect[True]) > 0 and len(expect[False]) > 0
+    again = stdlib_bytes.__wrapped__(str(tmp_path))  # read afresh, not from the cache
+    assert torch.equal(train, again[0]) and torch.equal(held_out, again[1])
+
+
+@pytest.mark.parametrize("name", ["adam", "smmf-natural"])
+def test_stdlib_lm_trains_a_few_steps_at_a_tiny_size(name: str) -> None:
+    overrides = {"backend": "torch"} if name.startswith("smmf") else {}  # no JIT compilation in a quick test
+    result = train_one(stdlib_lm_task(TINY), name, overrides, steps=12, eval_every=6, seed=0, device=torch.device("cpu"),
+                       show_progress=False)
+    assert not result["diverged"] and len(result["losses"]) == 12
+    assert [e["step"] for e in result["evals"]] == [6, 12]
+    assert result["losses"][0] == pytest.approx(math.log(256), abs=0.3)  # an untrained byte model
+    assert result["final_metric"] < result["losses"][0]
+    assert result["final_metric"] == result["evals"][-1]["held_out_loss"]
+
+
+def test_finetune_lm_starts_every_run_from_the_cached_checkpoint(tmp_path, monkeypatch) -> None:
+    calls = []
+    real_pretrain = tasks_module.pretrain
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real_pretrain(*args, **kwargs)
+
+    monkeypatch.setattr(tasks_module, "pretrain", counting)
+    cpu = torch.device("cpu")
+    task = finetune_lm_task(TINY, pretrain_steps=3, cache=str(tmp_path))
+    task.prepare(False)
+    path = pretrained_checkpoint(TINY, 3, cpu, str(tmp_path))
+    assert len(calls) == 1 and path.exists() and path.parent.parent == tmp_path
+    pretrained = torch.load(path, weights_only=True)["state_dict"]
+    assert not torch.equal(pretrained["transformer.h.0.mlp.c_fc.weight"],
+                           TINY.build(0).state_dict()["transformer.h.0.mlp.c_fc.weight"])  # it did train
+
+    # A hit: nothing is retrained, and every seed's model is the cached checkpoint.
+    for seed in (0, 1):
+        model = task.build_model(seed)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in pretrained.items())
+    assert pretrained_checkpoint(TINY, 3, cpu, str(tmp_path)) == path and len(calls) == 1
+
+    # Any change to what determines it is another key, built afresh: steps, model, data.
+    assert pretrained_checkpoint(TINY, 4, cpu, str(tmp_path)) != path and len(calls) == 2
+    other = ByteGPT(n_layer=1, n_embd=32, n_head=4, context=32, batch=4)
+    assert pretrained_checkpoint(other, 3, cpu, str(tmp_path)) != path and len(calls) == 3
+    train, held = stdlib_bytes()
+    monkeypatch.setattr(tasks_module, "stdlib_bytes", lambda root=None: (train[:-1], held))
+    assert pretrained_checkpoint(TINY, 3, cpu, str(tmp_path)) != path and len(calls) == 4
+    monkeypatch.undo()
+
+    # A missing file is rebuilt under the same key.
+    monkeypatch.setattr(tasks_module, "pretrain", counting)
+    path.unlink()
+    assert pretrained_checkpoint(TINY, 3, cpu, str(tmp_path)) == path and path.exists() and len(calls) == 5
+
+    result = train_one(task, "smmf", {"backend": "torch"}, steps=4, eval_every=2, seed=0, device=cpu,
+                       show_progress=False)
+    assert len(calls) == 5 and len(result["losses"]) == 4 and math.isfinite(result["final_metric"])
+    assert result["kwargs"]["decay_rate"] == "-0.8"  # the fine-tuning table's
+
+
+def test_cache_root_follows_flag_then_environment(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SMMF_CACHE", str(tmp_path / "env"))
+    assert tasks_module.cache_root(str(tmp_path / "flag")) == tmp_path / "flag"
+    assert tasks_module.cache_root() == tmp_path / "env"
+    monkeypatch.delenv("SMMF_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tasks_module.cache_root() == tmp_path / "xdg" / "smmf"
 
 
 # --------------------------------------------------------------------------- peers

@@ -3,9 +3,9 @@
 Same seed, initialization and batch order for every optimizer; ``--seeds K`` repeats every run on K
 seeds and reports each figure as mean ± standard deviation over them. Writes a markdown and CSV
 table, a JSON with every curve, and PNG plots (mean curves with a min–max band) to ``--out``.
-The default run is the paper's five optimizers and SMMF with ``momentum_shape="natural"``; the peers
-(``--optimizers ...,torchao-adamw8bit``) are opt-in. A peer whose package is missing is a skipped row,
-with a note.
+The default run is the paper's five optimizers and SMMF with ``momentum_shape="natural"`` on the two
+quick tasks; ``--tasks stdlib-lm,finetune-lm`` and the peers (``--optimizers ...,torchao-adamw8bit``)
+are opt-in. A peer whose package is missing is a skipped row, with a note.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
 from .storage import optimizer_state_bytes
 from ..table import format_table
-from .tasks import TASKS, Task
+from .tasks import DEFAULT_TASKS, PRETRAIN_STEPS, TASKS, Task, cache_root, make_task
 
 
 def warmup_cosine(steps: int, warmup: int):
@@ -223,27 +223,31 @@ def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device)
 
 
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,
-        opt_args: list[str], quick: bool, show_progress: bool = True, seeds: int = 1) -> list[dict[str, Any]]:
+        opt_args: list[str], quick: bool, show_progress: bool = True, seeds: int = 1, cache: Optional[str] = None,
+        pretrain_steps: Optional[int] = None) -> list[dict[str, Any]]:
     """Every (task, optimizer, seed) run, each in a fresh process (see :func:`train_in_fresh_process`);
     seeds ``seed .. seed + seeds - 1``. An optimizer whose package is missing gets one skipped entry
-    per task (and a note on stderr) instead of runs."""
+    per task (and a note on stderr) instead of runs. ``cache`` and ``pretrain_steps`` are finetune-lm's."""
     results = []
     skipped = {name: why for name in optimizers if (why := missing_package(optimizer_specs("cnn")[name]))}
     for name, why in skipped.items():
         print(f"{PROG}: skipping {name}: {why}", file=sys.stderr, flush=True)
     for task_name in tasks:
-        n_steps = steps or (20 if quick else TASKS[task_name].default_steps)
+        task = make_task(task_name, cache, pretrain_steps, str(device))
+        n_steps = steps or (20 if quick else task.default_steps)
         eval_every = max(1, n_steps // (4 if quick else 20))
+        if task.prepare is not None and any(name not in skipped for name in optimizers):
+            task.prepare(show_progress)  # once, here, so that no run's time includes it
         for name in optimizers:
             if name in skipped:
-                label = optimizer_specs(TASKS[task_name].kind)[name].label
+                label = optimizer_specs(task.kind)[name].label
                 results.append({"task": task_name, "optimizer": name, "label": label, "skipped": skipped[name],
                                 "seed": seed})
                 continue
             for run_seed in range(seed, seed + seeds):
                 job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
                            steps=n_steps, eval_every=eval_every, seed=run_seed, device=str(device),
-                           progress=show_progress)
+                           progress=show_progress, cache=cache, pretrain_steps=pretrain_steps)
                 started = time.perf_counter()
                 result = train_in_fresh_process(job)
                 results.append({**result, "seed": run_seed, "wall_s": time.perf_counter() - started})
@@ -260,7 +264,8 @@ def train_in_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _child(job: dict[str, Any]) -> None:
-    task, device = TASKS[job["task"]], torch.device(job["device"])
+    device = torch.device(job["device"])
+    task = make_task(job["task"], job.get("cache"), job.get("pretrain_steps"), str(device))
     _warm_up(task, [job["optimizer"]], job["seed"], device)
     overrides = parse_opt_args(job["opt_args"]).get(job["optimizer"], {})
     result = train_one(task, job["optimizer"], overrides, job["steps"], job["eval_every"], job["seed"], device,
@@ -279,9 +284,11 @@ PROG = "smmf compare"
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     parser = parser or OneLineParser(prog=PROG, description=__doc__)
-    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
-    parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
-                        help=f"comma-separated, of {', '.join(optimizer_specs('cnn'))}")
+    parser.add_argument("--tasks", nargs="+", default=[",".join(DEFAULT_TASKS)],
+                        help=f"comma- or space-separated, of {list(TASKS)} (default: {','.join(DEFAULT_TASKS)})")
+    parser.add_argument("--optimizers", nargs="+", default=[",".join(DEFAULT_OPTIMIZERS)],
+                        help=f"comma- or space-separated, of {', '.join(optimizer_specs('cnn'))} "
+                             f"(default: {','.join(DEFAULT_OPTIMIZERS)})")
     parser.add_argument("--steps", type=int, help="training steps per run (default: per task)")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--seeds", type=int, default=1, help="run every optimizer on this many seeds (from --seed)")
@@ -290,17 +297,25 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--opt-args", action="append", default=[], metavar="NAME:key=value,...",
                         help="override an optimizer's hyperparameters, e.g. smmf:decay_rate=-0.8")
     parser.add_argument("--quick", action="store_true", help="a tiny run for smoke tests")
+    parser.add_argument("--cache", help="finetune-lm: where its pretrained checkpoint is kept (default: $SMMF_CACHE, "
+                                        "else $XDG_CACHE_HOME/smmf or ~/.cache/smmf)")
+    parser.add_argument("--pretrain-steps", type=int,
+                        help=f"finetune-lm: AdamW steps of its pretraining on stdlib-lm (default {PRETRAIN_STEPS})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.device, dict[str, dict[str, Any]], Path]:
     """Every argument checked before the first step: a bad one fails in one line, exit status 2."""
-    tasks = comma_list(PROG, "--tasks", args.tasks, list(TASKS))
+    tasks = comma_list(PROG, "--tasks", ",".join(args.tasks), list(TASKS))
     known = optimizer_specs("cnn")
-    optimizers = comma_list(PROG, "--optimizers", args.optimizers, list(known))
+    optimizers = comma_list(PROG, "--optimizers", ",".join(args.optimizers), list(known))
     if args.steps is not None and args.steps < 1:
         fail(PROG, f"--steps must be at least 1, got {args.steps}")
+    if args.pretrain_steps is not None and args.pretrain_steps < 1:
+        fail(PROG, f"--pretrain-steps must be at least 1, got {args.pretrain_steps}")
+    if "finetune-lm" in tasks:
+        writable_dir(PROG, "--cache", str(cache_root(args.cache)))
     if args.seeds < 1:
         fail(PROG, f"--seeds must be at least 1, got {args.seeds}")
     cuda_or_fail(PROG, args.device)
@@ -332,7 +347,8 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         return 0
     tasks, optimizers, device, _, out = check_args(args)
     started = time.time()
-    results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds)
+    results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds,
+                  cache=args.cache, pretrain_steps=args.pretrain_steps)
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),
         "code": _code_version(),
@@ -362,13 +378,18 @@ def _code_version() -> str:
 
 
 def _argv_echo(args: argparse.Namespace) -> list[str]:
-    echo = [f"--tasks {args.tasks}", f"--optimizers {args.optimizers}", f"--seed {args.seed}", f"--out {args.out}"]
+    echo = [f"--tasks {','.join(args.tasks)}", f"--optimizers {','.join(args.optimizers)}", f"--seed {args.seed}",
+            f"--out {args.out}"]
     if args.seeds != 1:
         echo.insert(3, f"--seeds {args.seeds}")
     if args.steps:
         echo.append(f"--steps {args.steps}")
     if args.quick:
         echo.append("--quick")
+    if args.pretrain_steps:
+        echo.append(f"--pretrain-steps {args.pretrain_steps}")
+    if args.cache:
+        echo.append(f"--cache {args.cache}")
     echo += [f"--opt-args {a}" for a in args.opt_args]
     return echo
 

@@ -6,6 +6,10 @@ paper's general advice of 1e-3 (Adafactor in the CNN table uses its relative ste
 decay is Adam-style (L2) for all, as the paper ran them. Every optimizer gets the same warmup +
 cosine schedule except relative-step Adafactor, which schedules itself; none is tuned further.
 
+``finetune`` (fine-tuning a pretrained model) follows the paper's GPT-2 fine-tuning tables: weight
+decay 5e-4, decay rate -0.8 for SMMF and Adafactor; the learning rate is 3e-4 instead of the tables'
+2e-5, which is for the 124M-parameter GPT-2 and its many epochs.
+
 Peers (opt-in, each an optional package, ``pip install smmf[peers]``): torchao's ``AdamW8bit`` and
 ``AdamW4bit`` (block-wise quantized moments), bitsandbytes' ``AdamW8bit`` and adv_optm's ``AdamW_adv``
 with ``state_precision="factored"`` (a 1-bit sign and rank-1 factors, SMMF-style, with bias
@@ -62,23 +66,24 @@ def _peer(module: str, name: str) -> Callable[..., torch.optim.Optimizer]:
     return build
 
 
-KINDS = ("cnn", "transformer")
+KINDS = ("cnn", "transformer", "finetune")
 
 
 def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
     if kind not in KINDS:
         raise ValueError(f"Unknown task kind: {kind!r}. It needs to be one of {list(KINDS)}")
     cnn = kind == "cnn"
-    wd = 5e-4 if cnn else 1e-2
-    lr = 1e-3
+    finetune = kind == "finetune"
+    wd = 5e-4 if cnn or finetune else 1e-2
+    lr = 3e-4 if finetune else 1e-3
     adafactor = dict(betas=(0.9, 0.999), decay_rate=-0.8, clip_threshold=1.0, eps1=1e-30, eps2=1e-3,
                      weight_decay=wd, weight_decouple=False, momentum_dtype=torch.float32)
     if cnn:
         adafactor |= dict(lr=None, relative_step=True, scale_parameter=True)
     else:
         adafactor |= dict(lr=lr, relative_step=False, scale_parameter=False)
-    smmf = dict(lr=lr, beta=0.9, eps=1e-8, weight_decay=wd, weight_decay_mode="adam", decay_rate=-0.5,
-                growth_rate=0.999)
+    smmf = dict(lr=lr, beta=0.9, eps=1e-8, weight_decay=wd, weight_decay_mode="adam",
+                decay_rate=-0.8 if finetune else -0.5, growth_rate=0.999)
     adamw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
     return {
         "adam": OptimizerSpec("Adam", torch.optim.Adam, dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)),

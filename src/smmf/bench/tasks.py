@@ -5,15 +5,30 @@
 - ``pydoc-lm``: a byte-level causal Transformer (GPT-2 architecture from a config) on CPython's
   ``pydoc_data.topics`` text; metric: held-out loss (and perplexity).
 
+Opt-in (``--tasks``), longer:
+
+- ``stdlib-lm``: a 6-layer, 256-wide byte-level GPT-2 (4.9M parameters, context 256) trained from
+  scratch on the ``.py`` files of the running interpreter's standard library, split by file (held-out
+  files are never seen in training); metric: held-out loss.
+- ``finetune-lm``: that model pretrained once with AdamW on ``stdlib-lm``'s training files (cached on
+  disk, keyed by a hash of everything that determines it), then fine-tuned from the same checkpoint
+  with every optimizer on ``pydoc_data.topics``; metric: held-out loss.
+
 Splits are fixed (independent of the seed); the seed sets the initialization and batch order,
 which are the same for every optimizer.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterator
+import os
+import sysconfig
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +47,7 @@ class Task:
     batches: Callable[[int, torch.device], Iterator[Batch]]
     loss: Callable[[nn.Module, Batch], Tensor]
     evaluate: Callable[[nn.Module, torch.device], dict[str, float]]
+    prepare: Optional[Callable[[bool], None]] = None  # one-time work before the runs (argument: show progress)
 
 
 # --------------------------------------------------------------------------- digits-cnn
@@ -153,6 +169,205 @@ def _lm_evaluate(model: nn.Module, device: torch.device) -> dict[str, float]:
     return {"held_out_loss": loss, "perplexity": math.exp(loss)}
 
 
+# --------------------------------------------------------------------------- byte-level GPT on larger text
+
+
+@dataclass(frozen=True)
+class ByteGPT:
+    """A byte-level GPT-2 (vocabulary of 256 bytes, no dropout) and the shape of its batches."""
+
+    n_layer: int = 6
+    n_embd: int = 256
+    n_head: int = 8
+    context: int = 256
+    batch: int = 16
+
+    def build(self, seed: int) -> nn.Module:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(seed)
+        config = GPT2Config(
+            vocab_size=256, n_positions=self.context, n_embd=self.n_embd, n_layer=self.n_layer, n_head=self.n_head,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )
+        return GPT2LMHeadModel(config)
+
+
+def _window_batches(stream: Tensor, context: int, batch_size: int, seed: int,
+                    device: torch.device) -> Iterator[Batch]:
+    """Random windows of ``context + 1`` bytes of ``stream`` (inputs, next-byte targets), in ``seed``'s order."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(context + 1)
+    while True:
+        starts = torch.randint(0, len(stream) - context - 1, (batch_size,), generator=gen)
+        window = stream[starts[:, None] + offsets].long()
+        yield window[:, :-1].to(device), window[:, 1:].to(device)
+
+
+_EVAL_BATCH = 64
+
+
+@torch.no_grad()
+def _held_out_loss(model: nn.Module, stream: Tensor, context: int, windows: int, device: torch.device,
+                   batch_size: int = _EVAL_BATCH) -> dict[str, float]:
+    """Mean next-byte loss over ``windows`` evenly spaced windows of ``stream``; at most as many as fit
+    without overlapping."""
+    windows = max(1, min(windows, (len(stream) - 1) // context))
+    stride = (len(stream) - context - 1) // max(1, windows - 1)  # the last window ends at the stream's end
+    window = stream[(torch.arange(windows) * stride)[:, None] + torch.arange(context + 1)].long()
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for part in window.split(batch_size):
+        total += _lm_loss(model, (part[:, :-1].to(device), part[:, 1:].to(device))).item() * len(part)
+    model.train(was_training)
+    loss = total / windows
+    return {"held_out_loss": loss, "perplexity": math.exp(loss)}
+
+
+# --------------------------------------------------------------------------- stdlib-lm
+
+_STDLIB_HELD_OUT_EVERY = 20  # a file is held out when its path's hash is 0 modulo this: about 5% of the files
+_STDLIB_EVAL_WINDOWS = 128
+_FILE_SEPARATOR = b"\0"
+# Left out of the corpus: installed packages, and pydoc_data (finetune-lm's fine-tuning text)
+_STDLIB_EXCLUDED = {"site-packages", "dist-packages", "__pycache__", "pydoc_data"}
+
+
+def stdlib_files(root: Optional[Path] = None) -> list[str]:
+    """The ``.py`` files of the standard library at ``root`` (default: this interpreter's), as sorted
+    relative POSIX paths."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    found = (path.relative_to(root) for path in root.rglob("*.py") if path.is_file())
+    return sorted(rel.as_posix() for rel in found if not _STDLIB_EXCLUDED & set(rel.parts))
+
+
+def is_held_out(relative_path: str) -> bool:
+    """Whether a file is in the held-out split: decided by a hash of its path alone, so a file's side
+    does not change when others are added or removed."""
+    return hashlib.sha256(relative_path.encode()).digest()[0] % _STDLIB_HELD_OUT_EVERY == 0
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_bytes(root: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """(train, held-out) uint8 byte streams of the standard library's ``.py`` files, in sorted order,
+    each file followed by a NUL byte."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    for rel in stdlib_files(base):
+        parts[is_held_out(rel)].append((base / rel).read_bytes() + _FILE_SEPARATOR)
+    train, held_out = (torch.frombuffer(bytearray(b"".join(parts[side])), dtype=torch.uint8) for side in (False, True))
+    return train, held_out
+
+
+STDLIB_GPT = ByteGPT()
+
+
+def stdlib_lm_task(model: ByteGPT = STDLIB_GPT, default_steps: int = 2000) -> Task:
+    def evaluate(net: nn.Module, device: torch.device) -> dict[str, float]:
+        return _held_out_loss(net, stdlib_bytes()[1], model.context, _STDLIB_EVAL_WINDOWS, device)
+
+    return Task(
+        "stdlib-lm", "transformer", "held_out_loss", False, default_steps, model.build,
+        lambda seed, device: _window_batches(stdlib_bytes()[0], model.context, model.batch, seed, device),
+        _lm_loss, evaluate,
+    )
+
+
+# --------------------------------------------------------------------------- finetune-lm
+
+# How the checkpoint that every optimizer fine-tunes is made: stdlib-lm's training files, AdamW, the
+# comparison's warmup + cosine schedule. Every entry goes into the checkpoint's cache key; bump
+# "recipe" when the code that pretrains changes.
+PRETRAIN = dict(recipe=1, optimizer="AdamW", lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=1e-2,
+                schedule="warmup-cosine", seed=0)
+PRETRAIN_STEPS = 2000
+
+
+def cache_root(cache: Optional[str] = None) -> Path:
+    """Where pretrained checkpoints are kept: ``cache``, else ``$SMMF_CACHE``, else ``$XDG_CACHE_HOME/smmf``
+    (``~/.cache/smmf``)."""
+    if cache:
+        return Path(cache).expanduser()
+    if os.environ.get("SMMF_CACHE"):
+        return Path(os.environ["SMMF_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smmf"
+
+
+def pretrain_facts(model: ByteGPT, steps: int, device: torch.device) -> dict[str, object]:
+    """Everything that determines the pretrained checkpoint (its cache key is their hash)."""
+    import transformers
+
+    train, _ = stdlib_bytes()
+    return {"model": asdict(model), "steps": steps, **PRETRAIN,
+            "data": hashlib.sha256(train.numpy().tobytes()).hexdigest(), "device": device.type,
+            "torch": str(torch.__version__), "transformers": str(transformers.__version__)}
+
+
+def pretrained_path(model: ByteGPT, steps: int, device: torch.device, cache: Optional[str] = None) -> Path:
+    facts = pretrain_facts(model, steps, device)
+    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root(cache) / "pretrain" / f"stdlib-lm-{key}.pt"
+
+
+def pretrain(model: ByteGPT, steps: int, device: torch.device, show_progress: bool = True) -> dict[str, Tensor]:
+    """Train ``model`` from scratch on stdlib-lm's training files with AdamW (see ``PRETRAIN``); its state dict."""
+    from .compare import warmup_cosine
+    from .progress import progress
+
+    net = model.build(int(PRETRAIN["seed"])).to(device)
+    net.train()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=PRETRAIN["lr"], betas=tuple(PRETRAIN["betas"]),
+                                  eps=PRETRAIN["eps"], weight_decay=PRETRAIN["weight_decay"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, min(100, max(1, steps // 10))))
+    batches = _window_batches(stdlib_bytes()[0], model.context, model.batch, int(PRETRAIN["seed"]), device)
+    for _ in progress(range(steps), "pretraining stdlib-lm with AdamW for finetune-lm", steps, show_progress):
+        loss = _lm_loss(net, next(batches))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    return {name: tensor.detach().cpu() for name, tensor in net.state_dict().items()}
+
+
+def pretrained_checkpoint(model: ByteGPT, steps: int, device: torch.device, cache: Optional[str] = None,
+                          show_progress: bool = True) -> Path:
+    """The pretrained checkpoint's file: from the cache, or pretrained now (and cached) when missing."""
+    path = pretrained_path(model, steps, device, cache)
+    if path.exists():
+        return path
+    state = pretrain(model, steps, device, show_progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save({"facts": pretrain_facts(model, steps, device), "state_dict": state}, partial)
+    os.replace(partial, path)  # atomic: a reader sees the whole file or none
+    return path
+
+
+_FINETUNE_EVAL_WINDOWS = 1 << 30  # all of pydoc's held-out text, in disjoint windows
+
+
+def finetune_lm_task(model: ByteGPT = STDLIB_GPT, pretrain_steps: int = PRETRAIN_STEPS, cache: Optional[str] = None,
+                     device: str = "cpu", default_steps: int = 300) -> Task:
+    def prepare(show_progress: bool) -> None:
+        pretrained_checkpoint(model, pretrain_steps, torch.device(device), cache, show_progress)
+
+    def build(seed: int) -> nn.Module:
+        path = pretrained_checkpoint(model, pretrain_steps, torch.device(device), cache, show_progress=False)
+        net = model.build(seed)
+        net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+        return net
+
+    def evaluate(net: nn.Module, on: torch.device) -> dict[str, float]:
+        return _held_out_loss(net, pydoc_bytes()[1], model.context, _FINETUNE_EVAL_WINDOWS, on)
+
+    return Task(
+        "finetune-lm", "finetune", "held_out_loss", False, default_steps, build,
+        lambda seed, device: _window_batches(pydoc_bytes()[0], model.context, model.batch, seed, device),
+        _lm_loss, evaluate, prepare,
+    )
+
+
 TASKS: dict[str, Task] = {
     "digits-cnn": Task(
         "digits-cnn", "cnn", "test_accuracy", True, 300, _digits_model, _digits_batches, _classification_loss,
@@ -162,3 +377,14 @@ TASKS: dict[str, Task] = {
         "pydoc-lm", "transformer", "held_out_loss", False, 400, _lm_model, _lm_batches, _lm_loss, _lm_evaluate,
     ),
 }
+DEFAULT_TASKS = tuple(TASKS)  # the default run; the longer tasks below are opt-in
+TASKS["stdlib-lm"] = stdlib_lm_task()
+TASKS["finetune-lm"] = finetune_lm_task()
+
+
+def make_task(name: str, cache: Optional[str] = None, pretrain_steps: Optional[int] = None,
+              device: str = "cpu") -> Task:
+    """The task ``name``; ``finetune-lm`` with its checkpoint's cache, pretraining length and device."""
+    if name == "finetune-lm":
+        return finetune_lm_task(STDLIB_GPT, pretrain_steps or PRETRAIN_STEPS, cache, device)
+    return TASKS[name]
