@@ -107,11 +107,11 @@ def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for
     """Small fp32 tensors go through one launch per step (their step is mostly launch overhead);
     each is updated exactly as a launch of its own (the shared kernel with that tensor alone: what the
     step inside backward runs) would update it, and within float noise of the per-tensor kernel."""
-    from smmf.kernels import numba_cpu
+    from smmf.kernels.numba_cpu import host
 
     launches = []
-    many = numba_cpu._many_kernel
-    monkeypatch.setattr(numba_cpu, "_many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
+    many = host.many_kernel
+    monkeypatch.setattr(host, "many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
     shapes = [(64, 64), (7,), (33, 5), (100, 200), (3, 3, 3, 3), (2, 2)]
     for config in (dict(weight_decay=0.1), dict(beta=None, growth_rate=None)):
         gen = torch.Generator().manual_seed(2)
@@ -132,13 +132,13 @@ def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for
                 q.grad = g.clone()
                 single.step()
         assert launches == ([len(shapes)] + [1] * len(shapes)) * 3  # one launch per step, alone or shared
-        monkeypatch.setattr(numba_cpu, "_takes_many", lambda *args: False)  # the per-tensor kernel
+        monkeypatch.setattr(host, "takes_many", lambda *args: False)  # the per-tensor kernel
         for step_grads in grads:
             for q, single, g in zip(own, owns, step_grads):
                 q.grad = g.clone()
                 single.step()
         monkeypatch.undo()
-        monkeypatch.setattr(numba_cpu, "_many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
+        monkeypatch.setattr(host, "many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
         for p, q, r, single in zip(together, alone, own, singles):
             assert torch.equal(p, q)
             for key, value in opt.state[p].items():
@@ -171,12 +171,12 @@ def test_rows_wider_than_a_column_tile_match_the_torch_path(dtype: torch.dtype, 
 
 _CACHE_PROBE = """
 import hashlib, json, torch, smmf
-from smmf.kernels import numba_cpu
+from smmf.kernels.numba_cpu import passes
 torch.manual_seed(0)
 p = torch.nn.Parameter(torch.randn(100, 100, dtype=torch.float64))
 p.grad = torch.randn_like(p)
 smmf.SMMF([p], backend="numba").step()
-stats = numba_cpu._kernel_serial.stats
+stats = passes._kernel_serial.stats
 print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
                   "result": hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()}))
 """
@@ -184,7 +184,7 @@ print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.ca
 
 _SHARED_CACHE_PROBE = """
 import hashlib, json, torch, smmf
-from smmf.kernels import numba_cpu
+from smmf.kernels.numba_cpu import passes
 torch.manual_seed(0)
 params = [torch.nn.Parameter(torch.randn(s)) for s in [(30, 20), (20,), (7, 3, 3)]]
 opt = smmf.SMMF(params, backend="numba")
@@ -195,7 +195,7 @@ for _ in range(2):
 lone = torch.nn.Parameter(torch.randn(40, 10))
 lone.grad = torch.randn_like(lone)
 smmf.SMMF([lone], backend="numba").step()
-stats = numba_cpu._many_kernel.stats
+stats = passes.many_kernel.stats
 print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
                   "result": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params + [lone])).hexdigest()}))
 """
@@ -260,11 +260,11 @@ def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> Non
 
 def test_a_kernel_that_numba_cannot_cache_is_compiled_instead() -> None:
     pytest.importorskip("numba")
-    from smmf.kernels.numba_cpu import _cached_njit
+    from smmf.kernels.numba_cpu.cache import cached_njit
 
     namespace: dict = {}
     exec("def plus_one(x):\n    return x + 1", namespace)  # no source file: numba has nowhere to cache it
-    assert _cached_njit()(namespace["plus_one"])(1) == 2
+    assert cached_njit()(namespace["plus_one"])(1) == 2
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")

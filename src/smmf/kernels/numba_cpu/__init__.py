@@ -1,0 +1,71 @@
+"""Fused single-pass SMMF step on CPU (numba): the numba backend of :class:`smmf.kernels.Backend`.
+
+One pass over the n×m view of a tensor, parallel over blocks of rows: each element's gradient,
+weight and sign bit are read once, M̂ and V̂ are rebuilt from the factors on the fly, the weight
+and the sign bit are written in place, and the row / column sums of |M| and V (the next factors)
+are accumulated as the pass goes. Nothing of size N is allocated; each block keeps two column
+accumulators of length m. Blocks start on a byte boundary of the packed signs, so no two threads
+write the same byte. With the magnitude flag (``magnitude_bits=1``) a step takes two passes: the
+flag compares |M| with the *new* factors, which need every row first.
+
+Read top to bottom: :mod:`.structs` (the kernels' named arguments), :mod:`.elements` (the math of
+one element and of a run of them), :mod:`.access` (bf16 rows, packed bits, prefetches),
+:mod:`.passes` (a block's pass, the whole step, the launch of many small tensors), :mod:`.host`
+(torch tensors in, which launch), :mod:`.cache` (compiled once per machine: a fresh process loads
+the kernels instead of spending seconds of LLVM and ~100 MiB of RSS on its first step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ...functional import StepConfig
+from ...state import COL_V, ROW_V
+from ..contract import FlagPass
+from .host import launch, steps_
+
+__all__ = ["BACKEND", "numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_",
+           "updating_flag_pass"]
+
+numba_steps_ = steps_
+
+
+def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
+    """The fused step of one tensor: same contract as :func:`smmf.functional.torch_step_`."""
+    return steps_([(param, grad, state, cfg)])
+
+
+def numba_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int) -> int:
+    """The fused pass over an FSDP2 shard (:meth:`smmf.kernels.Backend.shard_step_`). Returns the
+    NaN/inf gradient elements met."""
+    rows, cols = state[ROW_V].numel(), state[COL_V].numel()
+    return launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel())
+
+
+def numba_flag_shard_pass_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
+                           flag_pass: FlagPass) -> int:
+    """One of the magnitude flag's two passes over an FSDP2 shard
+    (:meth:`smmf.kernels.Backend.flag_shard_pass_`). Returns the NaN/inf gradient elements the
+    updating pass met (0 from the other)."""
+    rows, cols = state[ROW_V].numel(), state[COL_V].numel()
+    return launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel(), flag_pass)
+
+
+def updating_flag_pass(cfg: StepConfig) -> int:
+    """0 without L2 decay; 1 with it (M needs the weights before the step, so the first pass only reads)."""
+    return 0 if cfg.folded()[2] == 0 else 1
+
+
+class _Numba:
+    """The numba backend (:class:`smmf.kernels.Backend`)."""
+
+    name = "numba"
+    steps_ = staticmethod(numba_steps_)
+    shard_step_ = staticmethod(numba_shard_step_)
+    flag_shard_pass_ = staticmethod(numba_flag_shard_pass_)
+    updating_flag_pass = staticmethod(updating_flag_pass)
+
+
+BACKEND = _Numba()

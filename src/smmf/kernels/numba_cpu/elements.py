@@ -1,0 +1,229 @@
+"""The math of the numba kernels: one element's step, and loops over a run of elements that stays in
+one row of V's view and of M's (these vectorize). Each is the line-by-line counterpart of
+:func:`smmf.functional._factored_update` (tests/test_fused_kernels.py ties them). ``sc`` is the step's
+:class:`~smmf.kernels.numba_cpu.structs.Scalars`.
+
+The 1-bit magnitude flag (magnitude_bits=1): F = [|M| > r cᵀ] needs the *new* factors of |M|, which
+need every row's |M|: a first pass steps the weights and sums |M| and V, then a second pass forms M
+again (same arithmetic, same inputs) and writes S and F. See
+:func:`smmf.functional.store_magnitude_flag_`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+
+from .cache import FASTMATH
+
+_MATH = dict(fastmath=FASTMATH, error_model="numpy", inline="always")
+
+
+@numba.njit
+def count_bad(grow, big):
+    """NaN/inf elements of a row (rare: the vectorized loop only flags that there are some)."""
+    bad = 0
+    for j in range(grow.shape[0]):
+        bad += 0 if abs(grow[j]) <= big else 1
+    return bad
+
+
+@numba.njit(inline="always")
+def capped(x, cap):
+    """``x`` at most ``cap`` (NaN stays NaN): what one element adds to a factor sum."""
+    return cap if x > cap else x
+
+
+@numba.njit(inline="always")
+def finite_or_cap(x, cap):
+    """NaN → 0, above ``cap`` → ``cap`` (:func:`smmf.functional.magnitude_flag_fit`)."""
+    return cap - cap if x != x else (cap if x > cap else x)
+
+
+@numba.njit(**_MATH)
+def element(w, g, col_v, rv, sc, keep_bad, zero):
+    """One element's decayed weight, prepared gradient and this step's V; and whether the raw
+    gradient was finite (NaN/inf become 0 unless ``keep_bad``)."""
+    wj = w * sc.shrink
+    graw = g * sc.gsign
+    finite = abs(graw) <= sc.big  # False for NaN
+    gj = (graw if finite | keep_bad else zero) + sc.l2 * wj  # bitwise: no branch in the loop
+    return wj, gj, sc.beta2 * (rv * col_v) + sc.rest2 * (gj * gj), finite
+
+
+@numba.njit(**_MATH)
+def run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc, zero_bad):
+    """One run; ``nonneg`` holds its stored sign bits as 0/1 and gets the new ones. Returns the run's
+    capped sums of |M| and V and the NaN/inf elements met."""
+    lr, beta1, rest1, eps, cap = sc.lr, sc.beta1, sc.rest1, sc.eps, sc.cap
+    zero = sc.beta2 - sc.beta2
+    sum_m = zero
+    sum_v = zero
+    any_bad = False
+    keep_bad = not zero_bad
+    for j in range(wrow.shape[0]):
+        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
+        any_bad |= not finite
+        mag = rm * col_m[j]
+        mj = beta1 * (mag if nonneg[j] else -mag) + rest1 * gj
+        nonneg[j] = mj >= 0
+        a = capped(abs(mj), cap)
+        vs = capped(vj, cap)
+        sum_m += a
+        sum_v += vs
+        acc_m[j] += a
+        acc_v[j] += vs
+        wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
+    return sum_m, sum_v, count_bad(grow, sc.big) if any_bad else 0
+
+
+@numba.njit(**_MATH)
+def run_without_momentum(wrow, grow, col_v, acc_v, rv, sc, zero_bad):
+    lr, eps, cap = sc.lr, sc.eps, sc.cap
+    zero = sc.beta2 - sc.beta2
+    sum_v = zero
+    any_bad = False
+    keep_bad = not zero_bad
+    for j in range(wrow.shape[0]):
+        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
+        any_bad |= not finite
+        vs = capped(vj, cap)
+        sum_v += vs
+        acc_v[j] += vs
+        wrow[j] = wj - lr * (gj / (math.sqrt(vj) + eps))
+    return sum_v, count_bad(grow, sc.big) if any_bad else 0
+
+
+@numba.njit(**_MATH)
+def flagged_momentum(g_term, nonneg, above, col, high_coef, low_coef):
+    """This step's M from the stored code, sign · r·c · (high where flagged, else low), times β1, plus
+    ``g_term`` = (1 − β1)·G: ``high_coef``/``low_coef`` = β1·r·high / β1·r·low of the run's M row."""
+    mag = (high_coef if above else low_coef) * col
+    return (mag if nonneg else -mag) + g_term
+
+
+@numba.njit(**_MATH)
+def flag_fit(mj, estimate, cap, zero):
+    """One element encoded against the new factors (``estimate`` = its R): sign and flag, and what it
+    adds to the flag's least-squares sums Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R² (capped)."""
+    a = abs(mj)
+    flagged = a > estimate
+    fit = finite_or_cap(a * estimate, cap)
+    energy = finite_or_cap(estimate * estimate, cap)
+    return (mj >= 0, flagged, fit if flagged else zero, energy if flagged else zero, zero if flagged else fit,
+            zero if flagged else energy)
+
+
+@numba.njit(**_MATH)
+def flag_run_sums(wrow, grow, nonneg, above, col_m, acc_m, high_coef, low_coef, sc, zero_bad):
+    """First pass over a run of one M row, with L2 decay (it only reads): the capped |M| into
+    ``acc_m`` and the returned row sum. ``wrow`` is only read for L2 decay (``sc.l2 != 0``)."""
+    rest1, gsign, shrink, l2, big, cap = sc.rest1, sc.gsign, sc.shrink, sc.l2, sc.big, sc.cap
+    zero = rest1 - rest1
+    sum_m = zero
+    keep_bad = not zero_bad
+    signed_rest1 = rest1 * gsign  # gsign is ±1: (1 − β1)·gsign·G to the bit
+    for j in range(grow.shape[0]):
+        gj = grow[j]
+        gj = gj if (abs(gj) <= big) | keep_bad else zero
+        g_term = rest1 * (gj * gsign + l2 * (wrow[j] * shrink)) if l2 != 0 else signed_rest1 * gj
+        a = capped(abs(flagged_momentum(g_term, nonneg[j], above[j], col_m[j], high_coef, low_coef)), cap)
+        sum_m += a
+        acc_m[j] += a
+    return sum_m
+
+
+@numba.njit(**_MATH)
+def flag_run_update(wrow, grow, nonneg, above, col_m, acc_m, col_v, acc_v, high_coef, low_coef, rv, sc, zero_bad):
+    """First pass without L2 decay, over a run of one M row: the weights from this step's M
+    (decoded from the stored code, whose bits are only read), the capped |M| and V into
+    ``acc_m``/``acc_v``; returns |M|'s and V's row sums and the NaN/inf elements met."""
+    lr, rest1, eps, cap = sc.lr, sc.rest1, sc.eps, sc.cap
+    zero = sc.beta2 - sc.beta2
+    sum_m = zero
+    sum_v = zero
+    any_bad = False
+    keep_bad = not zero_bad
+    for j in range(wrow.shape[0]):
+        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
+        any_bad |= not finite
+        mj = flagged_momentum(rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
+        a = capped(abs(mj), cap)
+        vs = capped(vj, cap)
+        sum_m += a
+        sum_v += vs
+        acc_m[j] += a
+        acc_v[j] += vs
+        wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
+    return sum_m, sum_v, count_bad(grow, sc.big) if any_bad else 0
+
+
+@numba.njit(**_MATH)
+def flag_run_encode(grow, nonneg, above, col_m, new_col_m, high_coef, low_coef, new_rm, fits, sc, zero_bad):
+    """Second pass without L2 decay, over a run of one M row: this step's M formed again (as
+    :func:`flag_run_update` forms it), its new sign and flag bits (0/1 in ``nonneg``/``above``) and
+    the flag's least-squares sums (:func:`flag_fit`) added into ``fits``. Reads only the gradient."""
+    rest1, big, cap = sc.rest1, sc.big, sc.cap
+    zero = rest1 - rest1
+    fit_high = zero
+    energy_high = zero
+    fit_low = zero
+    energy_low = zero
+    keep_bad = not zero_bad
+    signed_rest1 = rest1 * sc.gsign
+    for j in range(grow.shape[0]):
+        gj = grow[j]
+        gj = gj if (abs(gj) <= big) | keep_bad else zero
+        mj = flagged_momentum(signed_rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
+        nonneg[j], above[j], fh, eh, fl, el = flag_fit(mj, new_rm * new_col_m[j], cap, zero)
+        fit_high += fh
+        energy_high += eh
+        fit_low += fl
+        energy_low += el
+    fits[0] += fit_high
+    fits[1] += energy_high
+    fits[2] += fit_low
+    fits[3] += energy_low
+
+
+@numba.njit(**_MATH)
+def flag_run_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, high_coef, low_coef, new_rm, rv, fits,
+                   sc, zero_bad):
+    """Second pass with L2 decay (M needs the weights before the step), over a run of one M row:
+    :func:`flag_run_encode` and the weights and V of :func:`flag_run_update` in one loop; returns
+    V's row sum and the NaN/inf elements met."""
+    lr, rest1, eps, cap = sc.lr, sc.rest1, sc.eps, sc.cap
+    zero = sc.beta2 - sc.beta2
+    sum_v = zero
+    fit_high = zero
+    energy_high = zero
+    fit_low = zero
+    energy_low = zero
+    any_bad = False
+    keep_bad = not zero_bad
+    for j in range(wrow.shape[0]):
+        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
+        any_bad |= not finite
+        mj = flagged_momentum(rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
+        nonneg[j], above[j], fh, eh, fl, el = flag_fit(mj, new_rm * new_col_m[j], cap, zero)
+        fit_high += fh
+        energy_high += eh
+        fit_low += fl
+        energy_low += el
+        vs = capped(vj, cap)
+        sum_v += vs
+        acc_v[j] += vs
+        wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
+    fits[0] += fit_high
+    fits[1] += energy_high
+    fits[2] += fit_low
+    fits[3] += energy_low
+    return sum_v, count_bad(grow, sc.big) if any_bad else 0
+
+
+@numba.njit(inline="always")
+def flag_level(fit, energy):
+    """A level of the flag from its least-squares sums: fit / energy, 0 where energy is not positive
+    (:func:`smmf.functional.flag_levels`)."""
+    return fit / energy if energy > 0 else 0

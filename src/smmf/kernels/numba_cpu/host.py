@@ -1,0 +1,162 @@
+"""The host side of the numba kernels: torch tensors to the kernels' named arguments, block layout,
+and which launch a tensor takes."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Optional, Sequence
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from ...functional import StepConfig
+from ...matrix import factor_sum_cap
+from ...state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, MomentumCode, matrix_shape, momentum_cols
+from ..contract import FlagPass, StepItem
+from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_kernel
+from .structs import FlagArrays, FlagPasses, Geometry, Moments, Options, Scalars, Scratch
+
+# numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
+# process when two threads enter parallel regions at once: parallel launches take turns. Each
+# already uses every core, so with OpenMP or TBB this costs nothing.
+PARALLEL_LAUNCH = threading.Lock()
+
+# Small tensors run on one thread: waking the thread pool costs more than their whole step.
+PARALLEL_MIN_NUMEL = 1 << 16
+
+
+def block_layout(rows: int, cols: int) -> tuple[int, int]:
+    """Rows per block (a multiple that keeps blocks byte-aligned in the sign bits) and blocks."""
+    align = 8 // math.gcd(cols, 8)
+    parallel = rows * cols >= PARALLEL_MIN_NUMEL
+    target_blocks = max(1, 4 * numba.get_num_threads()) if parallel else 1
+    rows_per_block = max(align, -(-rows // target_blocks))
+    rows_per_block = -(-rows_per_block // align) * align
+    return rows_per_block, -(-rows // rows_per_block)
+
+
+def _as_numpy(t: Tensor) -> np.ndarray:
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    return flat.numpy()
+
+
+def scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> Scalars:
+    """The step's :class:`Scalars` as Python floats (the caller casts them to the work dtype);
+    ``dtype`` is the work dtype."""
+    beta1 = 0.0 if cfg.beta1 is None else cfg.beta1
+    rest1 = 0.0 if cfg.beta1 is None else 1.0 - cfg.beta1
+    gsign, shrink, l2 = cfg.folded()
+    return Scalars(lr=cfg.lr, beta1=beta1, rest1=rest1, beta2=cfg.beta2, rest2=1.0 - cfg.beta2, eps=cfg.eps,
+                   gsign=gsign, shrink=shrink, l2=l2, big=float(torch.finfo(dtype).max),
+                   cap=factor_sum_cap(numel, dtype))
+
+
+def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, rows: int, cols: int,
+           lo: int, hi: int, flag_pass: Optional[FlagPass] = None) -> int:
+    """Run the kernel over the elements ``lo .. hi`` of the rows × cols matrix that ``weight``
+    (contiguous) holds; the factors are normalized when that is the whole matrix. Under the
+    magnitude flag a shard takes one pass per call (``flag_pass``)."""
+    if grad.dtype != weight.dtype:
+        grad = grad.to(weight.dtype)
+    grad = grad.contiguous()
+    whole = lo == 0 and hi == rows * cols
+    row0, row_end = lo // cols, -(-hi // cols)
+    rows_per_block, blocks = block_layout(row_end - row0, cols)
+    if (row0 * cols - lo) % 8:  # a shard starting mid-byte of a row: one block, so no two threads share a byte
+        rows_per_block, blocks = row_end - row0, 1
+    has_m = cfg.beta1 is not None
+    dtype = state[ROW_V].dtype
+    scalar = np.float64 if dtype == torch.float64 else np.float32
+    m_cols = momentum_cols(state, cols)
+    empty = np.empty(0, dtype=scalar)
+    scratch = Scratch(
+        col_acc_m=np.empty((blocks, m_cols if has_m else 0), dtype=scalar),
+        col_acc_v=np.empty((blocks, cols), dtype=scalar),
+        row_acc_m=np.empty((blocks, m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar),
+        bad_counts=np.zeros(blocks, dtype=np.int64))
+    moments = Moments(
+        signs=state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
+        row_m=state[ROW_M].numpy() if has_m else empty, col_m=state[COL_M].numpy() if has_m else empty,
+        row_v=state[ROW_V].numpy(), col_v=state[COL_V].numpy())
+    geo = Geometry(n=rows, m=cols, m_cols=m_cols, row0=row0, rows_per_block=rows_per_block, lo=lo, hi=hi)
+    opts = Options(has_m=has_m, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole)
+    sc = Scalars(*(scalar(x) for x in scalars(cfg, rows * cols, dtype)))
+    w, g = _as_numpy(weight), _as_numpy(grad)
+    parallel = hi - lo >= PARALLEL_MIN_NUMEL
+    flag: Optional[FlagArrays] = None
+    if cfg.code is MomentumCode.FLAG:
+        if flag_pass is None:
+            assert whole, "a shard under the magnitude flag takes numba_flag_shard_pass_"
+            passes = FlagPasses(0, 2)
+            new_row_m, new_col_m = np.empty_like(moments.row_m), np.empty_like(moments.col_m)
+        else:
+            passes = FlagPasses(flag_pass.number, flag_pass.number + 1)
+            new_row_m, new_col_m = flag_pass.new_row_m.numpy(), flag_pass.new_col_m.numpy()
+        flag = FlagArrays(flags=state[FLAG_M].numpy(), new_row_m=new_row_m, new_col_m=new_col_m,
+                          levels=state[LEVELS_M].numpy(), fits=np.empty((blocks, 4), dtype=scalar))
+        kernel = FLAG_KERNELS[parallel]
+        args = (w, g, moments.signs, flag.flags, moments.row_m, moments.col_m, flag.new_row_m, flag.new_col_m,
+                flag.levels, moments.row_v, moments.col_v, *scratch[:3], flag.fits, scratch.bad_counts, geo, passes,
+                opts, sc)
+    else:
+        kernel, args = KERNELS[parallel], (w, g, *moments, *scratch, geo, opts, sc)
+    if parallel:
+        with PARALLEL_LAUNCH:
+            kernel(*args)
+    else:
+        kernel(*args)
+    if flag is not None and flag_pass is not None and flag_pass.number == 1:
+        flag_pass.level_sums.copy_(torch.from_numpy(flag.fits.sum(axis=0)))
+    return int(scratch.bad_counts.sum()) if cfg.zero_nonfinite else 0
+
+
+def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
+    """A tensor's step in a launch of its own (all but the small fp32 ones)."""
+    rows, cols = matrix_shape(param)
+    if rows == 0:
+        return 0
+    # The kernel walks the logical row-major order: strided tensors go through one copy.
+    weight = param.detach() if param.is_contiguous() else param.detach().contiguous()
+    bad = launch(weight, grad, state, cfg, rows, cols, 0, rows * cols)
+    if weight.data_ptr() != param.data_ptr():
+        param.detach().copy_(weight)
+    return bad
+
+
+def takes_many(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
+    """Small contiguous fp32 tensors: their step is mostly per-launch overhead, so they share one."""
+    return (param.dtype == torch.float32 and 0 < param.numel() < PARALLEL_MIN_NUMEL and param.is_contiguous()
+            and state[ROW_V].dtype == torch.float32 and cfg.code is not MomentumCode.FLAG)
+
+
+def steps_(items: Sequence[StepItem]) -> int:
+    """The steps of many tensors: the small fp32 ones in one launch (:func:`many_kernel`, a lone one
+    too), the rest one by one."""
+    bad = 0
+    rows_of_addresses, sizes, rows_of_scalars, flags, alive = [], [], [], [], []
+    for param, grad, state, cfg in items:
+        if not takes_many(param, state, cfg):
+            bad += own_launch(param, grad, state, cfg)
+            continue
+        rows, cols = matrix_shape(param)
+        grad = grad.contiguous()
+        alive.append(grad)
+        has_m = cfg.beta1 is not None
+        moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
+        rows_of_addresses.append((param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(),
+                                  state[COL_V].data_ptr()))
+        sizes.append((rows, cols, momentum_cols(state, cols)))
+        rows_of_scalars.append(scalars(cfg, rows * cols, torch.float32))
+        flags.append((has_m, cfg.zero_nonfinite))
+    if rows_of_addresses:
+        bad_counts = np.zeros(len(sizes), dtype=np.int64)
+        with PARALLEL_LAUNCH:
+            many_kernel(np.array(rows_of_addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                        np.array(rows_of_scalars, dtype=np.float32), np.array(flags, dtype=np.int64), bad_counts)
+        bad += int(sum(count for count, (_, zero_bad) in zip(bad_counts.tolist(), flags) if zero_bad))
+    return bad
