@@ -12,7 +12,7 @@ import numba
 # Reassociation lets LLVM vectorize the row/column sums; no-NaN/no-inf flags stay off so that
 # non-finite values propagate exactly as on the torch path.
 FASTMATH = {"reassoc", "contract", "nsz"}
-KERNEL_OPTIONS = dict(nogil=True, error_model="numpy", fastmath=FASTMATH)
+KERNEL_OPTIONS: dict[str, Any] = dict(nogil=True, error_model="numpy", fastmath=FASTMATH)
 
 
 def cached_njit(**options: Any) -> Any:

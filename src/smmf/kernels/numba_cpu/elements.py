@@ -12,12 +12,13 @@ again (same arithmetic, same inputs) and writes S and F. See
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 
 from .cache import FASTMATH
 
-_MATH = dict(fastmath=FASTMATH, error_model="numpy", inline="always")
+_MATH: dict[str, Any] = dict(fastmath=FASTMATH, error_model="numpy", inline="always")
 
 
 @numba.njit

@@ -89,6 +89,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     w, g = _as_numpy(weight), _as_numpy(grad)
     parallel = hi - lo >= PARALLEL_MIN_NUMEL
     flag: Optional[FlagArrays] = None
+    args: tuple[Any, ...]
     if cfg.code is MomentumCode.FLAG:
         if flag_pass is None:
             assert whole, "a shard under the magnitude flag takes numba_flag_shard_pass_"

@@ -12,6 +12,8 @@ branch-free and vectorize.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -40,7 +42,7 @@ COLUMN_TILE = 1024
 # the whole segment less).
 PREFETCH = 256
 
-_PASS = dict(error_model="numpy", fastmath=FASTMATH)
+_PASS: dict[str, Any] = dict(error_model="numpy", fastmath=FASTMATH)
 
 
 @numba.njit(inline="always")
