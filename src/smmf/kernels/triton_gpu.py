@@ -34,15 +34,15 @@ straddle two tiles; the kernel then ORs the new bits, 32 at a time, into a zeroe
 commutes, so this stays deterministic), which the finish kernel copies over the state: N/8 extra
 bytes for those tensors only (twice that with the flag's bits).
 
-Each tensor is described by one row of :data:`META_COLUMNS` (27) int64 in a table: the addresses of
-w, g, signs, row_m, col_m, row_v, col_v (columns 0–6), then n, m, column tiles, bands, its first
-work item, where its (V's) partial sums start and where its sign scratch starts (columns 7–13), the
-elements lo .. hi of the row-major flattening that w, g and the sign bits hold (columns 14–15: 0 ..
-n·m, or an FSDP2 shard's range, whose first and last rows may be partial), M's own view: columns,
-rows, column tiles, bands, the first work item of :func:`_momentum_sums_kernel` and where M's
-partial sums start (columns 16–21; V's view unless ``momentum_shape="natural"``), and for the
-flag: the addresses of its bits and levels, where the new factors of |M| and the level sums sit
-in the partial buffer, and where its bit scratch starts (columns 22–26; 0 without the flag). The
+Each tensor is described by one row of int64 in a table, a column per field (the ``T_*``
+constants, :data:`TABLE_FIELDS`): the addresses of w, g, signs, row_m, col_m, row_v, col_v, then n,
+m, column tiles, bands, its first work item, where its (V's) partial sums start and where its sign
+scratch starts, the elements lo .. hi of the row-major flattening that w, g and the sign bits hold
+(0 .. n·m, or an FSDP2 shard's range, whose first and last rows may be partial), M's own view:
+columns, rows, column tiles, bands, the first work item of :func:`_momentum_sums_kernel` and where
+M's partial sums start (V's view unless ``momentum_shape="natural"``), and for the flag: the
+addresses of its bits and levels, where the new factors of |M| and the level sums sit in the
+partial buffer, and where its bit scratch starts (0 without the flag). The
 scalars of a launch (lr, β1_t, β2_t, …) are arguments, so tensors whose step configuration (or sign
 alignment, or code of M) differs go to separate launches.
 
@@ -77,7 +77,41 @@ __all__ = ["BACKEND", "triton_flag_shard_pass_", "triton_shard_step_", "triton_s
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 8
 BAND_ROWS = 256
 COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
-META_COLUMNS = tl.constexpr(27)  # int64 per tensor in the table (module docstring, _layout)
+# The tensor table: one row of int64 per tensor, a column per field (module docstring). These
+# constants are the one list of fields: the kernels read ``row + T_N``, and the host fills a row by
+# name (:func:`_table_row`, from :data:`TABLE_FIELDS`, which follows them).
+T_W = tl.constexpr(0)
+T_G = tl.constexpr(1)
+T_SIGNS = tl.constexpr(2)
+T_ROW_M = tl.constexpr(3)
+T_COL_M = tl.constexpr(4)
+T_ROW_V = tl.constexpr(5)
+T_COL_V = tl.constexpr(6)
+T_N = tl.constexpr(7)
+T_M = tl.constexpr(8)
+T_TILES = tl.constexpr(9)
+T_BANDS = tl.constexpr(10)
+T_FIRST_ITEM = tl.constexpr(11)
+T_PARTIAL_AT = tl.constexpr(12)
+T_WORDS_AT = tl.constexpr(13)
+T_LO = tl.constexpr(14)
+T_HI = tl.constexpr(15)
+T_M_COLS = tl.constexpr(16)
+T_M_ROWS = tl.constexpr(17)
+T_M_TILES = tl.constexpr(18)
+T_M_BANDS = tl.constexpr(19)
+T_FIRST_SUMS_ITEM = tl.constexpr(20)
+T_M_PARTIAL_AT = tl.constexpr(21)
+T_FLAGS = tl.constexpr(22)
+T_LEVELS = tl.constexpr(23)
+T_NEW_M_AT = tl.constexpr(24)
+T_LEVEL_SUMS_AT = tl.constexpr(25)
+T_FLAG_WORDS_AT = tl.constexpr(26)
+TABLE_FIELDS = tuple(name[2:].lower() for name, value in sorted(
+    ((name, value) for name, value in globals().items() if name.startswith("T_")), key=lambda item: item[1].value))
+META_COLUMNS = tl.constexpr(len(TABLE_FIELDS))
+assert [globals()["T_" + name.upper()].value for name in TABLE_FIELDS] == list(range(len(TABLE_FIELDS)))
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
 
 
 @triton.jit
@@ -141,22 +175,22 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     without reshaping. ``ALIGNED``: every tensor's m and lo are multiples
     of 8 (each row segment is whole bytes of the sign bits). ``FLAG`` (the magnitude flag): M is
     decoded with the flag's bits and levels, and encoded against the new factors of |M| that
-    :func:`_momentum_sums_kernel` and the finish kernel left in the partial buffer (columns 24–25):
+    :func:`_momentum_sums_kernel` and the finish kernel left in the partial buffer (``T_NEW_M_AT``, ``T_LEVEL_SUMS_AT``):
     new sign and flag bits, and each work item's four level sums. Under ``NATURAL`` or ``FLAG`` the
     sums kernel made |M|'s sums and this kernel only reads M's factors."""
     tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
     BB: tl.constexpr = BC // 8
-    t, row, tiles, local, band, tile = _work_item(meta_ptr, item_tensor_ptr, 9, 11)
-    n = tl.load(row + 7)
-    m = tl.load(row + 8)
-    held_lo = tl.load(row + 14)
-    held_hi = tl.load(row + 15)
-    w_ptr = tl.load(row + 0).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(W_DTYPE))
-    row_v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    col_v_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-    part = partial_ptr + tl.load(row + 12)
-    m_part = partial_ptr + tl.load(row + 21)
+    t, row, tiles, local, band, tile = _work_item(meta_ptr, item_tensor_ptr, T_TILES, T_FIRST_ITEM)
+    n = tl.load(row + T_N)
+    m = tl.load(row + T_M)
+    held_lo = tl.load(row + T_LO)
+    held_hi = tl.load(row + T_HI)
+    w_ptr = tl.load(row + T_W).to(tl.pointer_type(W_DTYPE))
+    g_ptr = tl.load(row + T_G).to(tl.pointer_type(W_DTYPE))
+    row_v_ptr = tl.load(row + T_ROW_V).to(tl.pointer_type(tl.float32))
+    col_v_ptr = tl.load(row + T_COL_V).to(tl.pointer_type(tl.float32))
+    part = partial_ptr + tl.load(row + T_PARTIAL_AT)
+    m_part = partial_ptr + tl.load(row + T_M_PARTIAL_AT)
     m32 = m.to(tl.int32)
     r_idx = tl.arange(0, BR)[:, None, None]
     bit = tl.arange(0, 8)[None, None, :]
@@ -164,27 +198,27 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     col_ok = cols < m32
     cv = tl.load(col_v_ptr + cols, mask=col_ok, other=0.0)
     if HAS_M:
-        signs_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-        row_m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-        col_m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-        words = words_ptr + tl.load(row + 13)
-        m_cols = tl.load(row + 16)
+        signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+        row_m_ptr = tl.load(row + T_ROW_M).to(tl.pointer_type(tl.float32))
+        col_m_ptr = tl.load(row + T_COL_M).to(tl.pointer_type(tl.float32))
+        words = words_ptr + tl.load(row + T_WORDS_AT)
+        m_cols = tl.load(row + T_M_COLS)
         if not NATURAL:
             cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
         if FLAG:
-            flags_ptr = tl.load(row + 22).to(tl.pointer_type(tl.uint8))
-            levels_ptr = tl.load(row + 23).to(tl.pointer_type(tl.float32))
+            flags_ptr = tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8))
+            levels_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32))
             high = tl.load(levels_ptr)
             low = tl.load(levels_ptr + 1)
-            new_row_m = partial_ptr + tl.load(row + 24)  # then the new column factors, from M's row count on
-            new_col_m = new_row_m + tl.load(row + 17)
-            flag_words = words_ptr + tl.load(row + 26)
+            new_row_m = partial_ptr + tl.load(row + T_NEW_M_AT)  # then the new column factors, from M's row count on
+            new_col_m = new_row_m + tl.load(row + T_M_ROWS)
+            flag_words = words_ptr + tl.load(row + T_FLAG_WORDS_AT)
             if not NATURAL:
                 new_cm = tl.load(new_col_m + cols, mask=col_ok, other=0.0)
         else:
             high = 0.0
             low = 0.0
-    cap = 3.4028234663852886e38 / (2.0 * (n * m).to(tl.float32))
+    cap = FP32_MAX / (2.0 * (n * m).to(tl.float32))
     any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
     acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
     acc_m = tl.zeros((BR, BB, 8), dtype=tl.float32)
@@ -205,7 +239,7 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
         ok = row_ok[:, None, None] & col_ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
         w = tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink
         g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
-        finite = tl.abs(g) <= 3.4028234663852886e38  # False for NaN
+        finite = tl.abs(g) <= FP32_MAX  # False for NaN
         any_bad = any_bad | (ok & ~finite)
         if ZERO_BAD:
             g = tl.where(finite, g, 0.0)
@@ -293,7 +327,7 @@ def _step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr,
     if HAS_M and not NATURAL and not FLAG:
         tl.store(m_part + tiles * n + band * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
     if FLAG:
-        level_sums = partial_ptr + tl.load(row + 25) + 4 * local
+        level_sums = partial_ptr + tl.load(row + T_LEVEL_SUMS_AT) + 4 * local
         tl.store(level_sums, fit_high)
         tl.store(level_sums + 1, energy_high)
         tl.store(level_sums + 2, fit_low)
@@ -309,27 +343,27 @@ def _momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, 
     (band, column tile) of the rows that hold elements lo .. hi (all, or an FSDP2 shard's), from the
     state before the step: this step's M formed as :func:`_step_kernel` forms it, which then only
     reads M's factors. Runs first: the step kernel rewrites the weights and the sign (and flag) bits."""
-    _, row, tiles, _, band, tile = _work_item(meta_ptr, item_tensor_ptr, 18, 20)
-    b = tl.load(row + 16)  # M's columns
-    a_rows = tl.load(row + 17)
-    w_ptr = tl.load(row + 0).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(W_DTYPE))
-    signs_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    row_m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    col_m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    m_part = partial_ptr + tl.load(row + 21)
+    _, row, tiles, _, band, tile = _work_item(meta_ptr, item_tensor_ptr, T_M_TILES, T_FIRST_SUMS_ITEM)
+    b = tl.load(row + T_M_COLS)  # M's columns
+    a_rows = tl.load(row + T_M_ROWS)
+    w_ptr = tl.load(row + T_W).to(tl.pointer_type(W_DTYPE))
+    g_ptr = tl.load(row + T_G).to(tl.pointer_type(W_DTYPE))
+    signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+    row_m_ptr = tl.load(row + T_ROW_M).to(tl.pointer_type(tl.float32))
+    col_m_ptr = tl.load(row + T_COL_M).to(tl.pointer_type(tl.float32))
+    m_part = partial_ptr + tl.load(row + T_M_PARTIAL_AT)
     if FLAG:
-        flags_ptr = tl.load(row + 22).to(tl.pointer_type(tl.uint8))
-        levels_ptr = tl.load(row + 23).to(tl.pointer_type(tl.float32))
+        flags_ptr = tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8))
+        levels_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32))
         high = tl.load(levels_ptr)
         low = tl.load(levels_ptr + 1)
     else:
         high = 0.0
         low = 0.0
-    n = tl.load(row + 7)
-    held_lo = tl.load(row + 14)
-    held_hi = tl.load(row + 15)
-    cap = 3.4028234663852886e38 / (2.0 * (n * tl.load(row + 8)).to(tl.float32))
+    n = tl.load(row + T_N)
+    held_lo = tl.load(row + T_LO)
+    held_hi = tl.load(row + T_HI)
+    cap = FP32_MAX / (2.0 * (n * tl.load(row + T_M)).to(tl.float32))
     b32 = b.to(tl.int32)
     cols = (tile * BC).to(tl.int32) + tl.arange(0, BC)[None, :]
     col_ok = cols < b32
@@ -346,7 +380,7 @@ def _momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, 
         ok = row_ok[:, None] & col_ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
         g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
         if ZERO_BAD:
-            g = tl.where(tl.abs(g) <= 3.4028234663852886e38, g, 0.0)
+            g = tl.where(tl.abs(g) <= FP32_MAX, g, 0.0)
         if l2 != 0:  # L2 decay: M takes the weights too
             g = g + l2 * (tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink)
         k = base + offs
@@ -370,40 +404,40 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
                    COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr, FIRST: tl.constexpr,
                    MOMENTS: tl.constexpr, TO_SCRATCH: tl.constexpr, FLAG: tl.constexpr):
     """Program (t, j < MOMENTS) finishes tensor t's moment FIRST + j: 0 is V, 1 is M (in M's own
-    view, columns 16–21 of the table): row factor = Σ over tiles (0 for rows without elements lo ..
+    view, ``T_M_COLS`` .. ``T_M_PARTIAL_AT``): row factor = Σ over tiles (0 for rows without elements lo ..
     hi), column factor = Σ over bands / total (0 total → divide by 1, as ``nnmf_from_sums``; not
     divided unless ``NORMALIZE``), in a fixed order, KB partials at a time; into the state, or with
-    ``TO_SCRATCH`` into the partial buffer at column 24 (the magnitude flag's new factors, which the
+    ``TO_SCRATCH`` into the partial buffer at ``T_NEW_M_AT`` (the magnitude flag's new factors, which the
     step kernel encodes against while it still decodes with the old ones). Programs (t, MOMENTS …)
     copy an unaligned tensor's sign scratch (and under ``FLAG`` its flag scratch) over its bytes."""
     t = tl.program_id(0)
     j = tl.program_id(1)
     row = meta_ptr + t.to(tl.int64) * META_COLUMNS
-    n = tl.load(row + 7)
-    m = tl.load(row + 8)
-    tiles = tl.load(row + 9)
-    bands = tl.load(row + 10)
-    lo = tl.load(row + 14)
-    hi = tl.load(row + 15)
+    n = tl.load(row + T_N)
+    m = tl.load(row + T_M)
+    tiles = tl.load(row + T_TILES)
+    bands = tl.load(row + T_BANDS)
+    lo = tl.load(row + T_LO)
+    hi = tl.load(row + T_HI)
     kk = tl.arange(0, KB)[:, None]
     if j < MOMENTS:
         moment = FIRST + j
         if moment == 1:  # M's view: V's unless momentum_shape="natural"
-            n = tl.load(row + 17)
-            m = tl.load(row + 16)
-            tiles = tl.load(row + 18)
-            bands = tl.load(row + 19)
-            at = tl.load(row + 21)
+            n = tl.load(row + T_M_ROWS)
+            m = tl.load(row + T_M_COLS)
+            tiles = tl.load(row + T_M_TILES)
+            bands = tl.load(row + T_M_BANDS)
+            at = tl.load(row + T_M_PARTIAL_AT)
         else:
-            at = tl.load(row + 12)
+            at = tl.load(row + T_PARTIAL_AT)
         row0 = lo // m
         row_end = (hi + m - 1) // m
         if TO_SCRATCH:
-            rows_out = partial_ptr + tl.load(row + 24)
+            rows_out = partial_ptr + tl.load(row + T_NEW_M_AT)
             cols_out = rows_out + n
         else:
-            rows_out = tl.load(row + 5 - 2 * moment).to(tl.pointer_type(tl.float32))  # row_v, or row_m
-            cols_out = tl.load(row + 6 - 2 * moment).to(tl.pointer_type(tl.float32))  # col_v, or col_m
+            rows_out = tl.load(row + T_ROW_V - (T_ROW_V - T_ROW_M) * moment).to(tl.pointer_type(tl.float32))  # row_v, or row_m
+            cols_out = tl.load(row + T_COL_V - (T_COL_V - T_COL_M) * moment).to(tl.pointer_type(tl.float32))  # col_v, or col_m
         rows_part = partial_ptr + at
         cols_part = partial_ptr + at + tiles * n
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -426,10 +460,10 @@ def _finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl
             tl.store(cols_out + c0 + tl.arange(0, BLOCK), tl.sum(s, axis=0) / grand, mask=c0 + tl.arange(0, BLOCK) < m)
     elif (m % 8 != 0) | (lo % 8 != 0):
         nbytes = (hi - lo + 7) // 8
-        _copy_bytes(tl.load(row + 2).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + 13), nbytes,
+        _copy_bytes(tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + T_WORDS_AT), nbytes,
                     j - MOMENTS, COPIERS, COPY_BLOCK)
         if FLAG:
-            _copy_bytes(tl.load(row + 22).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + 26), nbytes,
+            _copy_bytes(tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + T_FLAG_WORDS_AT), nbytes,
                         j - MOMENTS, COPIERS, COPY_BLOCK)
 
 
@@ -445,23 +479,23 @@ def _copy_bytes(dst, words, nbytes, copier, COPIERS: tl.constexpr, COPY_BLOCK: t
 @triton.jit
 def _flag_finish_kernel(meta_ptr, partial_ptr, BLOCK: tl.constexpr):
     """Program t, under the magnitude flag, after the finish kernel: tensor t's new factors of |M|
-    (column 24 of the table: in the partial buffer) into its state, and its levels h, l from the step
-    kernel's per-work-item sums (column 25), added in a fixed order: h = Σ_F |M|·R / Σ_F R², likewise
+    (``T_NEW_M_AT``: in the partial buffer) into its state, and its levels h, l from the step
+    kernel's per-work-item sums (``T_LEVEL_SUMS_AT``), added in a fixed order: h = Σ_F |M|·R / Σ_F R², likewise
     l over ¬F (0 where the denominator is 0; :func:`smmf.functional.flag_levels`)."""
     t = tl.program_id(0)
     row = meta_ptr + t.to(tl.int64) * META_COLUMNS
-    m_cols = tl.load(row + 16)
-    factors = tl.load(row + 17) + m_cols  # the new row factors, then the column factors
-    new = partial_ptr + tl.load(row + 24)
-    row_m = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    col_m = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    m_cols = tl.load(row + T_M_COLS)
+    factors = tl.load(row + T_M_ROWS) + m_cols  # the new row factors, then the column factors
+    new = partial_ptr + tl.load(row + T_NEW_M_AT)
+    row_m = tl.load(row + T_ROW_M).to(tl.pointer_type(tl.float32))
+    col_m = tl.load(row + T_COL_M).to(tl.pointer_type(tl.float32))
     for i0 in range(0, factors, BLOCK):
         idx = i0 + tl.arange(0, BLOCK)
         value = tl.load(new + idx, mask=idx < factors)
         tl.store(row_m + idx, value, mask=idx < factors - m_cols)
         tl.store(col_m + idx - (factors - m_cols), value, mask=(idx >= factors - m_cols) & (idx < factors))
-    items = tl.load(row + 9) * tl.load(row + 10)
-    sums = partial_ptr + tl.load(row + 25)
+    items = tl.load(row + T_TILES) * tl.load(row + T_BANDS)
+    sums = partial_ptr + tl.load(row + T_LEVEL_SUMS_AT)
     slot = tl.arange(0, 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # (level, fit | energy)
     acc = tl.zeros((BLOCK, 2, 2), dtype=tl.float32)
     for i0 in range(0, items, BLOCK):
@@ -472,15 +506,15 @@ def _flag_finish_kernel(meta_ptr, partial_ptr, BLOCK: tl.constexpr):
     fit = tl.sum(tl.where(kind == 0, by_level, 0.0), axis=1)
     energy = tl.sum(tl.where(kind == 1, by_level, 0.0), axis=1)
     levels = tl.where(energy > 0, fit / tl.where(energy > 0, energy, 1.0), 0.0)
-    tl.store(tl.load(row + 23).to(tl.pointer_type(tl.float32)) + tl.arange(0, 2), levels)
+    tl.store(tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32)) + tl.arange(0, 2), levels)
 
 
 @functools.lru_cache(maxsize=256)
 def _layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool,
-            device: torch.device) -> tuple[list[list[int]], Tensor, Tensor, int, int]:
+            device: torch.device) -> tuple[list[dict[str, int]], Tensor, Tensor, int, int]:
     """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi, m_cols, flag: the n×m
     matrix's elements lo .. hi, the columns of M's view, whether M carries the magnitude flag):
-    each tensor's columns 7–21 and 24–26 of the table, the step kernel's and the momentum sums
+    each tensor's geometry columns of the table, by field name, the step kernel's and the momentum sums
     kernel's work items (tensor indices, on ``device``), and the sizes of the partial-sum buffer and
     of the bit scratch. Partial sums per tensor: [V rows: tiles×n][V cols: bands×m][M rows:
     tiles×rows of M's view][M cols: bands×m_cols], then under the flag [M's new row factors][its new
@@ -497,9 +531,10 @@ def _layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool
         new_m_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
         level_sums_at = new_m_at + (m_rows + m_cols if flag else 0)
         sign_words = (hi - lo) // 32 + 2 if has_m and (m % 8 or lo % 8) else 0
-        geometry.append([n, m, tiles, bands, first_item, partial_at, words_at, lo, hi,
-                         m_cols, m_rows, m_tiles, m_bands, first_sums_item, m_partial_at,
-                         new_m_at, level_sums_at, words_at + sign_words])
+        geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item, partial_at=partial_at,
+                             words_at=words_at, lo=lo, hi=hi, m_cols=m_cols, m_rows=m_rows, m_tiles=m_tiles,
+                             m_bands=m_bands, first_sums_item=first_sums_item, m_partial_at=m_partial_at,
+                             new_m_at=new_m_at, level_sums_at=level_sums_at, flag_words_at=words_at + sign_words))
         counts.append(tiles * bands)
         sums_counts.append(m_tiles * m_bands if sums_first else 0)
         first_item += tiles * bands
@@ -627,8 +662,9 @@ def _launch(
         else:
             signs, row_m, col_m = 0, row_v, col_v
         flags, levels = (state[FLAG_M].data_ptr(), state[LEVELS_M].data_ptr()) if flag else (0, 0)
-        table += [weight.data_ptr(), g.data_ptr(), signs, row_m, col_m, row_v, col_v, *geo[:15], flags, levels,
-                  *geo[15:]]
+        row = dict(geo, w=weight.data_ptr(), g=g.data_ptr(), signs=signs, row_m=row_m, col_m=col_m, row_v=row_v,
+                   col_v=col_v, flags=flags, levels=levels)
+        table += [row[field] for field in TABLE_FIELDS]
     # Pinned, then an async copy: no stream sync, and the caching host allocator keeps the buffer
     # until the copy is done.
     assert len(table) == len(tensors) * META_COLUMNS.value, "the table's rows and the kernels' META_COLUMNS disagree"
@@ -645,7 +681,7 @@ def _launch(
             ZERO_BAD=cfg.zero_nonfinite, FLAG=flag, **blocks,
         )
     if flag:  # the new factors of |M| in the partial buffer: the step kernel encodes against them
-        new_m, m_rows, m_cols = geometry[0][15], geometry[0][10], geometry[0][9]  # (one tensor when a shard)
+        new_m, m_rows, m_cols = (geometry[0][key] for key in ("new_m_at", "m_rows", "m_cols"))  # (one tensor when a shard)
         if flag_pass is not None and shard_pass == 1:  # a shard's: the caller's, from every shard's sums
             partial[new_m : new_m + m_rows].copy_(flag_pass.new_row_m)
             partial[new_m + m_rows : new_m + m_rows + m_cols].copy_(flag_pass.new_col_m)
@@ -671,7 +707,7 @@ def _launch(
         TO_SCRATCH=False, **finish,
     )
     if flag_pass is not None:  # a shard's second pass: its work items' level sums, added in a fixed order
-        items, at = geometry[0][2] * geometry[0][3], geometry[0][16]
+        items, at = geometry[0]["tiles"] * geometry[0]["bands"], geometry[0]["level_sums_at"]
         flag_pass.level_sums.copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
     elif flag:
         _flag_finish_kernel[(len(tensors),)](meta, partial, BLOCK=256, num_warps=4)
