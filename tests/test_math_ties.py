@@ -1,0 +1,53 @@
+"""Where a piece of math has a second copy in a kernel (the numba loops cannot call torch), a test
+ties the copy to the readable one on the values that tell them apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from smmf.functional import flag_levels
+
+numba = pytest.importorskip("numba")
+
+
+def test_numba_bf16_rounding_is_torchs() -> None:
+    """The numba kernels' bf16 store (nearest even, NaN kept NaN) writes what ``Tensor.to(bfloat16)``
+    writes, on ties, the largest values, infinities, NaNs and subnormals."""
+    import numpy as np
+
+    from smmf.kernels.numba_cpu.access import store
+
+    @numba.njit
+    def store_all(dst, row):
+        store(dst, 0, row, False)
+
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00008000, 0x80018000,
+                         0x7F800000, 0xFF800000, 0x7FC00001, 0x7F800001, 0xFFFFFFFF], dtype=torch.int64)
+    values = torch.cat([bits.to(torch.int32).view(torch.float32), torch.randn(1000) * 1e3,
+                        torch.randn(1000) * 1e-38])
+    out = torch.zeros(values.numel(), dtype=torch.bfloat16)
+    store_all(out.view(torch.int16).numpy(), values.numpy().astype(np.float32))
+    expected = values.to(torch.bfloat16)
+    same = (out.view(torch.int16) == expected.view(torch.int16)) | (out.isnan() & expected.isnan())
+    assert bool(same.all()), values[~same]
+
+
+def test_numba_flag_levels_are_flag_levels() -> None:
+    """The levels the numba kernel makes from its level sums are :func:`smmf.functional.flag_levels`'s,
+    including an empty set (energy 0) and NaN/inf sums."""
+    from smmf.kernels.numba_cpu.elements import flag_level
+
+    @numba.njit
+    def levels(sums):
+        return flag_level(sums[0], sums[1]), flag_level(sums[2], sums[3])
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.rand(4, generator=gen, dtype=torch.float64) for _ in range(50)]
+    cases += [torch.tensor(s, dtype=torch.float64) for s in [[1.0, 0.0, 2.0, 4.0], [0.0, 0.0, 0.0, 0.0],
+                                                             [float("inf"), 1.0, 1.0, float("inf")],
+                                                             [1.0, float("nan"), float("nan"), 2.0]]]
+    for dtype in (torch.float32, torch.float64):
+        for sums in cases:
+            got = torch.tensor(levels(sums.to(dtype).numpy()), dtype=dtype)
+            torch.testing.assert_close(got, flag_levels(sums.to(dtype)), rtol=0, atol=0, equal_nan=True)
