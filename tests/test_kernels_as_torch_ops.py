@@ -9,6 +9,7 @@ import torch
 
 from helpers import CPU_FUSED_BACKENDS, assert_unchanged, snapshot_of
 from smmf import SMMF
+from smmf.dispatch import Kernel
 
 BACKENDS = ["torch", *CPU_FUSED_BACKENDS]
 
@@ -161,10 +162,12 @@ def test_a_step_that_raises_in_its_kernel_leaves_params_and_state_as_they_were(b
     def failing_kernel(*args, **kwargs):
         raise RuntimeError("the kernel failed to compile")
 
-    monkeypatch.setattr(smmf.optimizer, "step_kernel", lambda *args: failing_kernel)
-    with pytest.raises(RuntimeError, match="failed to compile"):
-        opt.step()
-    assert_unchanged(opt, list(net.parameters()), before)
+    for batched in (False, True):  # one tensor per call, or all of them in one
+        failing = Kernel("failing", failing_kernel, batched=batched, raw_writes=True)
+        monkeypatch.setattr(smmf.optimizer, "step_kernel", lambda *args: failing)
+        with pytest.raises(RuntimeError, match="failed to compile"):
+            opt.step()
+        assert_unchanged(opt, list(net.parameters()), before)
     monkeypatch.setattr(smmf.optimizer, "step_kernel", real)
     opt.step()  # and the same step then runs as it would have
     assert all(st["step"] == fail_at + 1 for st in opt.state.values())
