@@ -21,10 +21,11 @@ from smmf import SMMF
 from smmf.bench.shapes import make_params
 from smmf.bench.bench import SHAPE_SETS, _timed
 from smmf.kernels import triton_gpu
+from smmf.kernels.triton_gpu import table
 from smmf.matrix import square_matricize_shape
 
-DEFAULT = dict(BLOCK_ROWS=triton_gpu.BLOCK_ROWS, BLOCK_COLS=triton_gpu.BLOCK_COLS, WARPS=triton_gpu.WARPS,
-               BAND_ROWS=triton_gpu.BAND_ROWS)
+DEFAULT = dict(BLOCK_ROWS=table.BLOCK_ROWS, BLOCK_COLS=table.BLOCK_COLS, WARPS=table.WARPS,
+               BAND_ROWS=table.BAND_ROWS)
 CANDIDATES: dict[str, dict[str, Any]] = {
     "default": {},
     # The default spills (255 registers and 328-1184 B of stack per thread, tests/triton_compile.py);
@@ -42,8 +43,8 @@ CANDIDATES: dict[str, dict[str, Any]] = {
 
 def _configure(candidate: dict[str, Any]) -> None:
     for name, value in (DEFAULT | candidate).items():
-        setattr(triton_gpu, name, value)
-    triton_gpu._layout.cache_clear()
+        setattr(table, name, value)
+    table.layout.cache_clear()
 
 
 def median_step(opt: torch.optim.Optimizer, repeats: int) -> float:
@@ -74,7 +75,7 @@ def main() -> None:
             spec.loader.exec_module(module)  # type: ignore[union-attr]
             opt = SMMF(covered, backend="triton")
             row["deterministic, batched, covered tensors"] = 1e3 * median_step(opt, args.repeats)
-            one_at_a_time = lambda p, g, st, cfg: triton_gpu.triton_step_(p, g, st, cfg)  # noqa: E731 (no .batched)
+            one_at_a_time = lambda p, g, st, cfg: triton_gpu.triton_step_(p, g, st, cfg)  # noqa: E731 (one tensor per launch)
             for name, kernel in [("deterministic, one launch per tensor", one_at_a_time),
                                  ("atomic (old), one launch per tensor", module.triton_step_)]:
                 original = optimizer_module.step_kernel

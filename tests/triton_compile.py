@@ -19,14 +19,14 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from smmf.kernels import triton_gpu as kernels
+from smmf.kernels.triton_gpu import finish, step, table
 
 STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", words_ptr="*i32", bad_ptr="*i32",
                  lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", gsign="fp32", shrink="fp32", l2="fp32", seed="i32")
 SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", beta1="fp32", gsign="fp32",
                  shrink="fp32", l2="fp32")
 FINISH_ARGS = dict(meta_ptr="*i64", partial_ptr="*fp32", words_ptr="*i32")
-TILES = dict(BR=kernels.BLOCK_ROWS, BC=kernels.BLOCK_COLS, BAND=kernels.BAND_ROWS)
+TILES = dict(BR=table.BLOCK_ROWS, BC=table.BLOCK_COLS, BAND=table.BAND_ROWS)
 
 
 def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
@@ -39,17 +39,17 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         consts = dict(W_DTYPE=dtype, HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=dtype == tl.bfloat16, ZERO_BAD=True,
                       NATURAL=natural, FLAG=flag, **TILES)
         label = f"step {dtype} m={has_m} aligned={aligned} natural={natural} flag={flag}"
-        out.append((label, kernels._step_kernel, STEP_ARGS, consts, kernels.WARPS))
+        out.append((label, step.step_kernel, STEP_ARGS, consts, table.WARPS))
     for flag in (False, True):
         consts = dict(W_DTYPE=tl.float32, ZERO_BAD=True, FLAG=flag, **TILES)
-        out.append((f"momentum sums flag={flag}", kernels._momentum_sums_kernel, SUMS_ARGS, consts, kernels.WARPS))
+        out.append((f"momentum sums flag={flag}", step.momentum_sums_kernel, SUMS_ARGS, consts, table.WARPS))
     for first, moments, scratch, flag in ((0, 2, False, False), (0, 1, False, False), (1, 1, True, True),
                                           (0, 1, False, True)):
-        consts = dict(BLOCK=256, KB=16, COPIERS=kernels.COPY_PROGRAMS, COPY_BLOCK=4096, NORMALIZE=True, FIRST=first,
+        consts = dict(BLOCK=256, KB=16, COPIERS=table.COPY_PROGRAMS, COPY_BLOCK=4096, NORMALIZE=True, FIRST=first,
                       MOMENTS=moments, TO_SCRATCH=scratch, FLAG=flag)
         out.append((f"finish moments {first}..{first + moments - 1} scratch={scratch} flag={flag}",
-                    kernels._finish_kernel, FINISH_ARGS, consts, 8))
-    out.append(("flag finish", kernels._flag_finish_kernel, dict(meta_ptr="*i64", partial_ptr="*fp32"),
+                    finish.finish_kernel, FINISH_ARGS, consts, 8))
+    out.append(("flag finish", finish.flag_finish_kernel, dict(meta_ptr="*i64", partial_ptr="*fp32"),
                 dict(BLOCK=256), 4))
     return out
 

@@ -1,0 +1,278 @@
+"""The Triton step kernels: the fused step over a work item (a band of rows × a column tile of one
+tensor), and the sums of |M| in M's own view that the natural shape and the flag need first."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .table import (
+    FP32_MAX,
+    T_W,
+    T_G,
+    T_SIGNS,
+    T_ROW_M,
+    T_COL_M,
+    T_ROW_V,
+    T_COL_V,
+    T_N,
+    T_M,
+    T_TILES,
+    T_FIRST_ITEM,
+    T_PARTIAL_AT,
+    T_WORDS_AT,
+    T_LO,
+    T_HI,
+    T_M_COLS,
+    T_M_ROWS,
+    T_M_TILES,
+    T_FIRST_SUMS_ITEM,
+    T_M_PARTIAL_AT,
+    T_FLAGS,
+    T_LEVELS,
+    T_NEW_M_AT,
+    T_LEVEL_SUMS_AT,
+    T_FLAG_WORDS_AT,
+)
+from .tiles import finite_or_cap, momentum, or_bits, work_item
+
+
+@triton.jit
+def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
+                 seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
+                 ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr, BAND: tl.constexpr):
+    """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
+    laid out per tensor as [V rows: tiles×n][V cols: bands×m][M rows][M cols] (:func:`~smmf.kernels.triton_gpu.table.layout`);
+    ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
+    matrix, the bands only the rows that hold elements lo .. hi (``held_lo`` .. ``held_hi``).
+    Scalars: ``gsign`` −1 to maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the
+    coupled decay coefficient, ``seed`` for bf16 stochastic rounding. ``bad`` counts (a lower bound
+    of) the NaN/inf gradient elements, which count as zero when ``ZERO_BAD``. What one element adds
+    to a factor sum is capped (``smmf.matrix.factor_sum_cap``), so finite gradients keep the factors
+    finite. A tile is held as (BR, BC/8, 8): the last axis is one sign byte, so bits unpack and pack
+    without reshaping. ``ALIGNED``: every tensor's m and lo are multiples
+    of 8 (each row segment is whole bytes of the sign bits). ``FLAG`` (the magnitude flag): M is
+    decoded with the flag's bits and levels, and encoded against the new factors of |M| that
+    :func:`momentum_sums_kernel` and the finish kernel left in the partial buffer (``T_NEW_M_AT``, ``T_LEVEL_SUMS_AT``):
+    new sign and flag bits, and each work item's four level sums. Under ``NATURAL`` or ``FLAG`` the
+    sums kernel made |M|'s sums and this kernel only reads M's factors."""
+    tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
+    BB: tl.constexpr = BC // 8
+    t, row, tiles, local, band, tile = work_item(meta_ptr, item_tensor_ptr, T_TILES, T_FIRST_ITEM)
+    n = tl.load(row + T_N)
+    m = tl.load(row + T_M)
+    held_lo = tl.load(row + T_LO)
+    held_hi = tl.load(row + T_HI)
+    w_ptr = tl.load(row + T_W).to(tl.pointer_type(W_DTYPE))
+    g_ptr = tl.load(row + T_G).to(tl.pointer_type(W_DTYPE))
+    row_v_ptr = tl.load(row + T_ROW_V).to(tl.pointer_type(tl.float32))
+    col_v_ptr = tl.load(row + T_COL_V).to(tl.pointer_type(tl.float32))
+    part = partial_ptr + tl.load(row + T_PARTIAL_AT)
+    m_part = partial_ptr + tl.load(row + T_M_PARTIAL_AT)
+    m32 = m.to(tl.int32)
+    r_idx = tl.arange(0, BR)[:, None, None]
+    bit = tl.arange(0, 8)[None, None, :]
+    cols = (tile * BC).to(tl.int32) + tl.arange(0, BB)[None, :, None] * 8 + bit  # (1, BB, 8)
+    col_ok = cols < m32
+    cv = tl.load(col_v_ptr + cols, mask=col_ok, other=0.0)
+    if HAS_M:
+        signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+        row_m_ptr = tl.load(row + T_ROW_M).to(tl.pointer_type(tl.float32))
+        col_m_ptr = tl.load(row + T_COL_M).to(tl.pointer_type(tl.float32))
+        words = words_ptr + tl.load(row + T_WORDS_AT)
+        m_cols = tl.load(row + T_M_COLS)
+        if not NATURAL:
+            cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+        if FLAG:
+            flags_ptr = tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8))
+            levels_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32))
+            high = tl.load(levels_ptr)
+            low = tl.load(levels_ptr + 1)
+            new_row_m = partial_ptr + tl.load(row + T_NEW_M_AT)  # then the new column factors, from M's row count on
+            new_col_m = new_row_m + tl.load(row + T_M_ROWS)
+            flag_words = words_ptr + tl.load(row + T_FLAG_WORDS_AT)
+            if not NATURAL:
+                new_cm = tl.load(new_col_m + cols, mask=col_ok, other=0.0)
+        else:
+            high = 0.0
+            low = 0.0
+    cap = FP32_MAX / (2.0 * (n * m).to(tl.float32))
+    any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
+    acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
+    acc_m = tl.zeros((BR, BB, 8), dtype=tl.float32)
+    fit_high = tl.zeros((), dtype=tl.float32)  # the flag's level sums (FLAG)
+    energy_high = tl.zeros((), dtype=tl.float32)
+    fit_low = tl.zeros((), dtype=tl.float32)
+    energy_low = tl.zeros((), dtype=tl.float32)
+    first_row = held_lo // m + band * BAND
+    last_row = tl.minimum(first_row + BAND, (held_hi + m - 1) // m)
+    for r0 in range(first_row, last_row, BR):
+        rows = r0 + tl.arange(0, BR)
+        row_ok = rows < last_row
+        # int64: the tile's first element, globally and where w, g and the sign bits hold it;
+        # offsets within the tile fit in int32
+        start0 = r0 * m
+        base = start0 - held_lo
+        offs = r_idx * m32 + cols
+        ok = row_ok[:, None, None] & col_ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
+        w = tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink
+        g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
+        finite = tl.abs(g) <= FP32_MAX  # False for NaN
+        any_bad = any_bad | (ok & ~finite)
+        if ZERO_BAD:
+            g = tl.where(finite, g, 0.0)
+        g = g + l2 * w
+        rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
+        v = beta2 * (rv * cv) + (1.0 - beta2) * (g * g)
+        v = tl.where(ok, v, 0.0)
+        v_capped = tl.where(v > cap, cap, v)
+        tl.store(part + tile * n + rows, tl.sum(tl.sum(v_capped, axis=2), axis=1), mask=row_ok)
+        acc_v += v_capped
+        if HAS_M:
+            if ALIGNED:  # a tile's row segment is whole bytes, one per (row, byte) of the tile
+                byte_offs = base // 8 + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
+                byte_col = tl.arange(0, BB)[None, :, None] * 8 + (tile * BC).to(tl.int32)
+                byte_elem = r_idx * m32 + byte_col  # the byte's first element, from start0
+                byte_ok = (row_ok[:, None, None] & (byte_col < m32) & (byte_elem >= held_lo - start0)
+                           & (byte_elem < held_hi - start0))
+                bits = (tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0) >> bit.to(tl.uint8)) & 1
+                if FLAG:
+                    flag_bits = (tl.load(flags_ptr + byte_offs, mask=byte_ok, other=0) >> bit.to(tl.uint8)) & 1
+            else:
+                k = base + offs
+                bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+                if FLAG:
+                    flag_bits = (tl.load(flags_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+            if not FLAG:
+                flag_bits = bits
+            if NATURAL:  # M's own view: each element's factors by its row and column there
+                k_m = start0 + offs
+                magnitude = (tl.load(row_m_ptr + k_m // m_cols, mask=ok, other=0.0)
+                             * tl.load(col_m_ptr + k_m % m_cols, mask=ok, other=0.0))
+            else:
+                magnitude = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None, None] * cm
+            mm = momentum(g, bits, flag_bits, magnitude, high, low, beta1, FLAG)
+            mm = tl.where(ok, mm, 0.0)
+            nonneg = ((mm >= 0) & ok).to(tl.int32)
+            if ALIGNED:
+                packed = tl.sum(nonneg << bit, axis=2, keep_dims=True)
+                tl.store(signs_ptr + byte_offs, packed.to(tl.uint8), mask=byte_ok)
+            else:
+                or_bits(words, nonneg, rows, tile, m, held_lo, row_ok, BR, BC)
+            if FLAG:  # encode against the new factors: F = [|M| > R], and the least-squares sums
+                if NATURAL:
+                    estimate = (tl.load(new_row_m + k_m // m_cols, mask=ok, other=0.0)
+                                * tl.load(new_col_m + k_m % m_cols, mask=ok, other=0.0))
+                else:
+                    estimate = tl.load(new_row_m + rows, mask=row_ok, other=0.0)[:, None, None] * new_cm
+                a = tl.abs(mm)
+                above = (a > estimate) & ok
+                fit = tl.where(ok, finite_or_cap(a * estimate, cap), 0.0)
+                energy = tl.where(ok, finite_or_cap(estimate * estimate, cap), 0.0)
+                fit_high += tl.sum(tl.sum(tl.sum(tl.where(above, fit, 0.0), axis=2), axis=1), axis=0)
+                energy_high += tl.sum(tl.sum(tl.sum(tl.where(above, energy, 0.0), axis=2), axis=1), axis=0)
+                fit_low += tl.sum(tl.sum(tl.sum(tl.where(above, 0.0, fit), axis=2), axis=1), axis=0)
+                energy_low += tl.sum(tl.sum(tl.sum(tl.where(above, 0.0, energy), axis=2), axis=1), axis=0)
+                flagged = above.to(tl.int32)
+                if ALIGNED:
+                    tl.store(flags_ptr + byte_offs, tl.sum(flagged << bit, axis=2, keep_dims=True).to(tl.uint8),
+                             mask=byte_ok)
+                else:
+                    or_bits(flag_words, flagged, rows, tile, m, held_lo, row_ok, BR, BC)
+            if not NATURAL and not FLAG:  # (else momentum_sums_kernel made |M|'s sums in M's view)
+                a = tl.abs(mm)
+                a = tl.where(a > cap, cap, a)
+                tl.store(m_part + tile * n + rows, tl.sum(tl.sum(a, axis=2), axis=1), mask=row_ok)
+                acc_m += a
+            u = mm / (tl.sqrt(v) + eps)
+        else:
+            u = g / (tl.sqrt(v) + eps)
+        new_w = w - lr * u
+        if W_DTYPE == tl.bfloat16:
+            # Round to bf16 in the bits (the same on every Triton target): add noise below the
+            # kept 16 bits (stochastic) or half an ulp to even (nearest), then truncate; NaN stays NaN.
+            ubits = new_w.to(tl.uint32, bitcast=True)
+            if STOCHASTIC:
+                ubits += (tl.randint(seed + t, (start0 + offs).to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+            else:
+                ubits += 0x7FFF + ((ubits >> 16) & 1)
+            rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
+            new_w = tl.where(new_w != new_w, new_w, rounded)
+        tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
+    tl.store(part + tiles * n + band * m + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
+    bad = tl.sum(tl.sum(tl.sum(any_bad.to(tl.int32), axis=2), axis=1), axis=0)
+    tl.atomic_add(bad_ptr, bad, mask=bad > 0)
+    if HAS_M and not NATURAL and not FLAG:
+        tl.store(m_part + tiles * n + band * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
+    if FLAG:
+        level_sums = partial_ptr + tl.load(row + T_LEVEL_SUMS_AT) + 4 * local
+        tl.store(level_sums, fit_high)
+        tl.store(level_sums + 1, energy_high)
+        tl.store(level_sums + 2, fit_low)
+        tl.store(level_sums + 3, energy_low)
+
+
+@triton.jit
+def momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, shrink, l2, W_DTYPE: tl.constexpr,
+                          ZERO_BAD: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                          BAND: tl.constexpr):
+    """|M|'s partial row and column sums in M's own view (``momentum_shape="natural"``, and every
+    view under the magnitude flag, whose encoding needs the new factors first), one work item per
+    (band, column tile) of the rows that hold elements lo .. hi (all, or an FSDP2 shard's), from the
+    state before the step: this step's M formed as :func:`step_kernel` forms it, which then only
+    reads M's factors. Runs first: the step kernel rewrites the weights and the sign (and flag) bits."""
+    _, row, tiles, _, band, tile = work_item(meta_ptr, item_tensor_ptr, T_M_TILES, T_FIRST_SUMS_ITEM)
+    b = tl.load(row + T_M_COLS)  # M's columns
+    a_rows = tl.load(row + T_M_ROWS)
+    w_ptr = tl.load(row + T_W).to(tl.pointer_type(W_DTYPE))
+    g_ptr = tl.load(row + T_G).to(tl.pointer_type(W_DTYPE))
+    signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+    row_m_ptr = tl.load(row + T_ROW_M).to(tl.pointer_type(tl.float32))
+    col_m_ptr = tl.load(row + T_COL_M).to(tl.pointer_type(tl.float32))
+    m_part = partial_ptr + tl.load(row + T_M_PARTIAL_AT)
+    if FLAG:
+        flags_ptr = tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8))
+        levels_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32))
+        high = tl.load(levels_ptr)
+        low = tl.load(levels_ptr + 1)
+    else:
+        high = 0.0
+        low = 0.0
+    n = tl.load(row + T_N)
+    held_lo = tl.load(row + T_LO)
+    held_hi = tl.load(row + T_HI)
+    cap = FP32_MAX / (2.0 * (n * tl.load(row + T_M)).to(tl.float32))
+    b32 = b.to(tl.int32)
+    cols = (tile * BC).to(tl.int32) + tl.arange(0, BC)[None, :]
+    col_ok = cols < b32
+    cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+    acc = tl.zeros((BR, BC), dtype=tl.float32)
+    first_row = held_lo // b + band * BAND  # the bands cover the rows that hold elements lo .. hi
+    last_row = tl.minimum(first_row + BAND, (held_hi + b - 1) // b)
+    for r0 in range(first_row, last_row, BR):
+        rows = r0 + tl.arange(0, BR)
+        row_ok = rows < last_row
+        start0 = r0 * b  # the tile's first element; w, g and the bits hold elements from lo on
+        base = start0 - held_lo
+        offs = tl.arange(0, BR)[:, None] * b32 + cols
+        ok = row_ok[:, None] & col_ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
+        g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
+        if ZERO_BAD:
+            g = tl.where(tl.abs(g) <= FP32_MAX, g, 0.0)
+        if l2 != 0:  # L2 decay: M takes the weights too
+            g = g + l2 * (tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink)
+        k = base + offs
+        bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+        if FLAG:
+            flag_bits = (tl.load(flags_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+        else:
+            flag_bits = bits
+        magnitude = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None] * cm
+        mm = momentum(g, bits, flag_bits, magnitude, high, low, beta1, FLAG)
+        m_abs = tl.where(ok, tl.abs(mm), 0.0)
+        m_abs = tl.where(m_abs > cap, cap, m_abs)
+        tl.store(m_part + tile * a_rows + rows, tl.sum(m_abs, axis=1), mask=row_ok)
+        acc += m_abs
+    tl.store(m_part + tiles * a_rows + band * b + tile * BC + tl.arange(0, BC), tl.sum(acc, axis=0),
+             mask=(tile * BC + tl.arange(0, BC)) < b)

@@ -1,0 +1,92 @@
+"""The Triton kernels' table of tensors and their launch geometry: tile shape, the table's columns
+(one ``T_*`` constant per field: the kernels read ``row + T_N``, the host fills a row by name), and
+:func:`layout`, where each tensor's work items, partial sums and bit scratch lie."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Tile shape and rows per work item. A tile of 4096 elements keeps enough bytes in flight per SM
+# to be bandwidth-bound; BLOCK_COLS is a multiple of 32 (the unaligned sign path packs 32 bits at a
+# time). benchmarks/gpu_tune.py sweeps alternatives.
+BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 8
+BAND_ROWS = 256
+COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
+# The tensor table: one row of int64 per tensor, a column per field (module docstring). These
+# constants are the one list of fields: the kernels read ``row + T_N``, and the host fills a row by
+# name (:func:`_table_row`, from :data:`TABLE_FIELDS`, which follows them).
+T_W = tl.constexpr(0)
+T_G = tl.constexpr(1)
+T_SIGNS = tl.constexpr(2)
+T_ROW_M = tl.constexpr(3)
+T_COL_M = tl.constexpr(4)
+T_ROW_V = tl.constexpr(5)
+T_COL_V = tl.constexpr(6)
+T_N = tl.constexpr(7)
+T_M = tl.constexpr(8)
+T_TILES = tl.constexpr(9)
+T_BANDS = tl.constexpr(10)
+T_FIRST_ITEM = tl.constexpr(11)
+T_PARTIAL_AT = tl.constexpr(12)
+T_WORDS_AT = tl.constexpr(13)
+T_LO = tl.constexpr(14)
+T_HI = tl.constexpr(15)
+T_M_COLS = tl.constexpr(16)
+T_M_ROWS = tl.constexpr(17)
+T_M_TILES = tl.constexpr(18)
+T_M_BANDS = tl.constexpr(19)
+T_FIRST_SUMS_ITEM = tl.constexpr(20)
+T_M_PARTIAL_AT = tl.constexpr(21)
+T_FLAGS = tl.constexpr(22)
+T_LEVELS = tl.constexpr(23)
+T_NEW_M_AT = tl.constexpr(24)
+T_LEVEL_SUMS_AT = tl.constexpr(25)
+T_FLAG_WORDS_AT = tl.constexpr(26)
+TABLE_FIELDS = tuple(name[2:].lower() for name, value in sorted(
+    ((name, value) for name, value in globals().items() if name.startswith("T_")), key=lambda item: item[1].value))
+META_COLUMNS = tl.constexpr(len(TABLE_FIELDS))
+assert [globals()["T_" + name.upper()].value for name in TABLE_FIELDS] == list(range(len(TABLE_FIELDS)))
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
+
+
+@functools.lru_cache(maxsize=256)
+def layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool,
+            device: torch.device) -> tuple[list[dict[str, int]], Tensor, Tensor, int, int]:
+    """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi, m_cols, flag: the n×m
+    matrix's elements lo .. hi, the columns of M's view, whether M carries the magnitude flag):
+    each tensor's geometry columns of the table, by field name, the step kernel's and the momentum sums
+    kernel's work items (tensor indices, on ``device``), and the sizes of the partial-sum buffer and
+    of the bit scratch. Partial sums per tensor: [V rows: tiles×n][V cols: bands×m][M rows:
+    tiles×rows of M's view][M cols: bands×m_cols], then under the flag [M's new row factors][its new
+    column factors][4 level sums per step work item]."""
+    geometry, counts, sums_counts = [], [], []
+    first_item = first_sums_item = partial_at = words_at = 0
+    for n, m, lo, hi, m_cols, flag in spans:
+        tiles, bands = triton.cdiv(m, BLOCK_COLS), triton.cdiv(triton.cdiv(hi, m) - lo // m, BAND_ROWS)
+        m_rows = n * m // m_cols
+        sums_first = m_cols != m or flag  # |M|'s sums by momentum_sums_kernel, in M's view
+        held_m_rows = triton.cdiv(hi, m_cols) - lo // m_cols
+        m_tiles, m_bands = (triton.cdiv(m_cols, BLOCK_COLS), triton.cdiv(held_m_rows, BAND_ROWS)) if sums_first else (tiles, bands)
+        m_partial_at = partial_at + tiles * n + bands * m
+        new_m_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
+        level_sums_at = new_m_at + (m_rows + m_cols if flag else 0)
+        sign_words = (hi - lo) // 32 + 2 if has_m and (m % 8 or lo % 8) else 0
+        geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item, partial_at=partial_at,
+                             words_at=words_at, lo=lo, hi=hi, m_cols=m_cols, m_rows=m_rows, m_tiles=m_tiles,
+                             m_bands=m_bands, first_sums_item=first_sums_item, m_partial_at=m_partial_at,
+                             new_m_at=new_m_at, level_sums_at=level_sums_at, flag_words_at=words_at + sign_words))
+        counts.append(tiles * bands)
+        sums_counts.append(m_tiles * m_bands if sums_first else 0)
+        first_item += tiles * bands
+        first_sums_item += sums_counts[-1]
+        partial_at = level_sums_at + (4 * tiles * bands if flag else 0)
+        words_at += sign_words * (2 if flag else 1)
+    index = torch.arange(len(spans), dtype=torch.int32)
+    items = torch.repeat_interleave(index, torch.tensor(counts))
+    sums_items = torch.repeat_interleave(index, torch.tensor(sums_counts))
+    return geometry, items.to(device), sums_items.to(device), partial_at, words_at

@@ -1,0 +1,64 @@
+"""Pieces the Triton kernels share: this step's M from the stored code, the NaN/cap guard, packing
+sign bits into int32 words, a program's work item, copying the bit scratch back."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .table import (
+    META_COLUMNS,
+)
+
+
+@triton.jit
+def momentum(g, sign_bits, flag_bits, magnitude, high, low, beta1, FLAG: tl.constexpr):
+    """This step's M from the stored code: β1·(±r·c, times the flag's level under ``FLAG``) + (1 − β1)·G.
+    One expression for both kernels that form M, so they form the same bits."""
+    if FLAG:
+        magnitude = magnitude * tl.where(flag_bits != 0, high, low)
+    return beta1 * (magnitude * (sign_bits.to(tl.float32) * 2.0 - 1.0)) + (1.0 - beta1) * g
+
+
+@triton.jit
+def finite_or_cap(x, cap):
+    """NaN → 0, above ``cap`` → ``cap`` (:func:`smmf.functional.magnitude_flag_fit`)."""
+    x = tl.where(x != x, 0.0, x)
+    return tl.where(x > cap, cap, x)
+
+
+@triton.jit
+def or_bits(words, bits, rows, tile, m, held_lo, row_ok, BR: tl.constexpr, BC: tl.constexpr):
+    """OR a tile's 0/1 ``bits`` (BR, BC/8, 8) into the int32 ``words`` that hold the bits of elements
+    lo .. hi: bits of row i, columns [c, c + 32) land at bits start + [0, 32), i.e. in two words."""
+    start = rows.to(tl.int64) * m + tile * BC - held_lo  # may be < 0 before lo: those bits are 0, never written
+    off = (start & 31).to(tl.int32)
+    lane = tl.arange(0, 32)[None, None, :] + off[:, None, None]
+    shifted = tl.reshape(bits, (BR, BC // 32, 32)).to(tl.int64) << (lane & 31).to(tl.int64)
+    low_word = tl.sum(tl.where(lane < 32, shifted, 0), axis=2).to(tl.int32)
+    high_word = tl.sum(tl.where(lane >= 32, shifted, 0), axis=2).to(tl.int32)
+    word = (start >> 5)[:, None] + tl.arange(0, BC // 32)[None, :]
+    group_ok = row_ok[:, None] & (tile * BC + tl.arange(0, BC // 32)[None, :] * 32 < m)
+    tl.atomic_or(words + word, low_word, mask=group_ok & (low_word != 0))
+    tl.atomic_or(words + word + 1, high_word, mask=group_ok & (high_word != 0))
+
+
+@triton.jit
+def work_item(meta_ptr, item_tensor_ptr, TILES: tl.constexpr, FIRST_ITEM: tl.constexpr):
+    """This program's work item: its tensor (index and row of the table), and its index, band and
+    column tile among that tensor's ``tiles`` (table columns TILES and FIRST_ITEM: V's view, or M's)."""
+    item = tl.program_id(0)
+    t = tl.load(item_tensor_ptr + item)
+    row = meta_ptr + t.to(tl.int64) * META_COLUMNS
+    tiles = tl.load(row + TILES)
+    local = item - tl.load(row + FIRST_ITEM)
+    return t, row, tiles, local, local // tiles, local % tiles
+
+
+@triton.jit
+def copy_bytes(dst, words, nbytes, copier, COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr):
+    """Copier ``copier`` of COPIERS: its share of the bytes of an int32 bit scratch over ``dst``."""
+    scratch = words.to(tl.pointer_type(tl.uint8), bitcast=True)
+    for b0 in range(copier * COPY_BLOCK, nbytes, COPIERS * COPY_BLOCK):
+        idx = b0 + tl.arange(0, COPY_BLOCK)
+        tl.store(dst + idx, tl.load(scratch + idx, mask=idx < nbytes), mask=idx < nbytes)
