@@ -110,6 +110,25 @@ def _full_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
+def _all_reduces_in_one_step(model: nn.Module, options: dict, rank: int, world: int) -> int:
+    """How many all-reduces one ``opt.step()`` makes (FSDP2's own collectives run in backward)."""
+    opt = optimizer(model.parameters(), **options)
+    x, tokens, y = (t.chunk(world)[rank] for t in batch(0))
+    nn.functional.mse_loss(model(x, tokens), y).backward()
+    real, calls = dist.all_reduce, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        opt.step()
+    finally:
+        dist.all_reduce = real
+    return len(calls)
+
+
 def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -145,9 +164,10 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
     local_bit_bytes = [opt.state[p][key].to_local().numel() for p in model.parameters()
                        for key in ("sign_m", "flag_m") if key in opt.state[p]]
     paths = sorted({step_kernel("auto", p, momentum_code(p, opt.param_groups[0])).name for p in model.parameters()})
+    all_reduces = _all_reduces_in_one_step(_sharded_net(world), options, rank, world)
     if rank == 0:
-        torch.save({"straight": straight, "resumed": resumed, "bit_bytes": local_bit_bytes, "paths": paths},
-                   Path(out) / "fsdp2.pt")
+        torch.save({"straight": straight, "resumed": resumed, "bit_bytes": local_bit_bytes, "paths": paths,
+                    "all_reduces": all_reduces}, Path(out) / "fsdp2.pt")
     finish()
 
 

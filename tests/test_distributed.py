@@ -60,6 +60,8 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
     # Shards take the fused kernel where numba is installed (a single fused pass; the flag's two).
     fused = "numba" in available_backends()
     assert result["paths"] == (["sharded numba"] if fused else ["sharded torch"])
+    if fused:  # one all-reduce for every parameter of the step (two under the flag), not one per parameter
+        assert result["all_reduces"] == (2 if options.get("magnitude_bits") else 1)
 
 
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
-from .distributed import fused_sharded_step_, sharded_step_
+from .distributed import fused_sharded_steps_, sharded_step_
 from .functional import Nonfinite, StepConfig, torch_step_
 from .kernels import FUSED, StepItem, fused_backend, load_backend
 from .sharding import is_dtensor, shard_info
@@ -50,9 +50,9 @@ SHARDED_TORCH = Kernel("sharded torch", _one_at_a_time(sharded_step_), batched=F
 @functools.lru_cache(maxsize=None)
 def _fused(name: str, sharded: bool) -> Kernel:
     backend = load_backend(name)
-    if sharded:
-        return Kernel(f"sharded {name}", _one_at_a_time(functools.partial(fused_sharded_step_, backend=backend)),
-                      batched=False, raw_writes=True)
+    if sharded:  # batched: one all-reduce for all the shards of a step
+        return Kernel(f"sharded {name}", functools.partial(fused_sharded_steps_, backend=backend), batched=True,
+                      raw_writes=True)
     return Kernel(name, backend.steps_, batched=True, raw_writes=True)
 
 

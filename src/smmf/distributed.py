@@ -6,17 +6,17 @@ of it under ``momentum_shape="natural"``). :func:`sharded_step_` runs the torch 
 the same lines as :func:`smmf.functional._factored_update`, with padding kept at zero — and sums the
 partial row and column sums over ranks with one all-reduce (and the magnitude flag's level sums with
 a second), so the factors, and therefore the update, are the single-device ones. A fused backend
-(:class:`smmf.kernels.Backend`, handed in by :mod:`smmf.dispatch`) makes the same pass over the shard
-in place (:func:`fused_sharded_step_`; the magnitude flag's two passes, an all-reduce after each) and
-only the sums go through torch. Placement and checkpoint layout:
+(:class:`smmf.kernels.Backend`, handed in by :mod:`smmf.dispatch`) makes the same pass over each shard
+in place and only the sums go through torch: for all the parameters of a step at once
+(:func:`fused_sharded_steps_`), one all-reduce per process group (the magnitude flag's two passes: two). Placement and checkpoint layout:
 :mod:`smmf.sharding`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,12 +32,12 @@ from .functional import (
     store_factors_,
     torch_step_,
 )
-from .kernels.contract import Backend, FlagPass
+from .kernels.contract import Backend, FlagPass, StepItem
 from .matrix import pack_signs, unpack_signs
-from .sharding import local, shard_info
+from .sharding import ShardInfo, local, shard_info
 from .state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, MomentumCode, matrix_shape
 
-__all__ = ["Band", "fused_sharded_step_", "sharded_step_"]
+__all__ = ["Band", "fused_sharded_steps_", "sharded_step_"]
 
 # Sums partial row/column sums across the ranks that share a matrix.
 Reducer = Callable[[list[Tensor]], list[Tensor]]
@@ -96,82 +96,156 @@ class Band:
 def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
     """The step of a DTensor parameter on the torch path: same contract as
     :func:`smmf.functional.torch_step_`."""
-    return _sharded_step(param, grad, state, cfg, None)
-
-
-def fused_sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
-                        backend: Backend) -> Nonfinite:
-    """The step of a DTensor parameter on a fused ``backend``: one pass over the shard, then the
-    all-reduce of its row and column sums (the magnitude flag: two passes and two all-reduces)."""
-    return _sharded_step(param, grad, state, cfg, backend)
-
-
-def _sharded_step(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
-                  backend: Optional[Backend]) -> Nonfinite:
-    info = shard_info(param)
-    assert info is not None, "sharded_step_ takes DTensor parameters"
+    info = _info(param)
     local_state = {key: local(value) for key, value in state.items()}
     weight, local_grad = local(param), local(grad)
     if cfg.code is MomentumCode.DENSE or not info.sharded:  # elementwise, or every rank holds it all
-        if backend is not None and cfg.code is not MomentumCode.DENSE:
-            return backend.steps_([(weight, local_grad, local_state, cfg)])
         return torch_step_(weight, local_grad, local_state, cfg)
     rows, cols = matrix_shape(param)
-    group = info.mesh.get_group()
+    band = Band.of_range(rows, cols, info.start, info.numel)
+    reduce = _all_reduce_on(info.mesh.get_group())
+    return torch_step_(weight, local_grad, local_state, cfg, matrix_update=partial(band_update, band=band, reduce=reduce))
 
+
+def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfinite:
+    """The steps of DTensor parameters on a fused ``backend``: one pass over each shard, then the row
+    and column sums of all of them added up across ranks in **one** all-reduce per process group and
+    dtype (the magnitude flag's two passes: two). Each parameter ends as :func:`sharded_step_` leaves it."""
+    found: list[Nonfinite] = []
+    whole: list[StepItem] = []
+    shards: list[_Shard] = []
+    for param, grad, state, cfg in items:
+        info = _info(param)
+        local_state = {key: local(value) for key, value in state.items()}
+        weight, local_grad = local(param), local(grad)
+        if cfg.code is MomentumCode.DENSE:  # elementwise: the torch path
+            found.append(torch_step_(weight, local_grad, local_state, cfg))
+        elif not info.sharded:  # every rank holds it all
+            whole.append((weight, local_grad, local_state, cfg))
+        else:
+            group = info.mesh.get_group()
+            dtype = local_state[ROW_V].dtype
+            shards.append(_Shard(weight, local_grad, local_state, cfg, info.start, (id(group), dtype),
+                                 _all_reduce_on(group)))
+    if whole:
+        found.append(backend.steps_(whole))
+    found += _shard_steps(backend, shards)
+    return _total(found)
+
+
+def _info(param: Tensor) -> ShardInfo:
+    info = shard_info(param)
+    assert info is not None, "the sharded steps take DTensor parameters"
+    return info
+
+
+def _all_reduce_on(group: Any) -> Reducer:
     def all_reduce(sums: list[Tensor]) -> list[Tensor]:
         flat = torch.cat(sums)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return list(flat.split([s.numel() for s in sums]))
 
-    if backend is not None and cfg.code is MomentumCode.FLAG:
-        return _fused_flag_shard_step_(backend, weight, local_grad, local_state, cfg, info.start, all_reduce)
-    if backend is not None:
-        return _fused_shard_step_(backend, weight, local_grad, local_state, cfg, info.start, all_reduce)
-    band = Band.of_range(rows, cols, info.start, info.numel)
-    return torch_step_(weight, local_grad, local_state, cfg, matrix_update=partial(band_update, band=band, reduce=all_reduce))
+    return all_reduce
 
 
-def _fused_shard_step_(backend: Backend, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
-                       start: int, reduce: Reducer) -> Nonfinite:
-    """The fused pass over the shard leaves its raw factor sums in the factor vectors: add
-    them up across ranks, then normalize as on one device."""
-    work = weight if weight.is_contiguous() else weight.contiguous()
-    nonfinite = backend.shard_step_(work, grad, state, cfg, start)
-    if work is not weight:
-        weight.copy_(work)
-    factors = [(ROW_V, COL_V)] + ([(ROW_M, COL_M)] if cfg.beta1 is not None else [])
-    sums = reduce([state[key] for pair in factors for key in pair])
-    for (row_key, col_key), row_sums, col_sums in zip(factors, sums[::2], sums[1::2]):
-        store_factors_(state, row_key, col_key, row_sums, col_sums)
-    return nonfinite
+def _total(found: Sequence[Nonfinite]) -> Nonfinite:
+    counted = [n for n in found if n is not None]
+    return sum(counted[1:], counted[0]) if counted else None
+
+
+@dataclass
+class _Shard:
+    """One parameter's shard in a step of many: its local tensors, and how its sums are added up
+    (``reduce``; shards with the same ``key`` share one call of it)."""
+
+    weight: Tensor
+    grad: Tensor
+    state: dict[str, Any]
+    cfg: StepConfig
+    start: int
+    key: Hashable
+    reduce: Reducer
+    work: Tensor = field(init=False)
+    flag: Optional[FlagPass] = None
+
+    def __post_init__(self) -> None:
+        self.work = self.weight if self.weight.is_contiguous() else self.weight.contiguous()
+
+    def write_back(self) -> None:
+        if self.work is not self.weight:
+            self.weight.copy_(self.work)
+
+
+def _reduce_together(rounds: Sequence[tuple[_Shard, list[Tensor]]]) -> list[list[Tensor]]:
+    """Each shard's tensors summed across ranks, one call of the reducer per key for all of them (the
+    same calls in the same order on every rank: the params come in the same order everywhere)."""
+    by_key: dict[Hashable, list[int]] = {}
+    for i, (shard, _) in enumerate(rounds):
+        by_key.setdefault(shard.key, []).append(i)
+    out: list[list[Tensor]] = [[] for _ in rounds]
+    for indices in by_key.values():
+        summed = rounds[indices[0]][0].reduce([t for i in indices for t in rounds[i][1]])
+        at = 0
+        for i in indices:
+            out[i], at = summed[at : at + len(rounds[i][1])], at + len(rounds[i][1])
+    return out
+
+
+def _shard_steps(backend: Backend, shards: Sequence[_Shard]) -> list[Nonfinite]:
+    """The fused passes over the shards, and the all-reduces of their sums, shared by all of them.
+
+    Without the flag, a shard's one pass leaves its raw factor sums in the factor vectors: added up
+    across ranks, they are normalized as on one device. Under the magnitude flag
+    (:meth:`smmf.kernels.Backend.flag_shard_pass_`), the first pass's |M| sums make the new factors,
+    which the second pass encodes against; the second's level sums make the levels; V's sums come
+    from the pass that steps the weights (:meth:`smmf.kernels.Backend.updating_flag_pass`). So the
+    first all-reduce takes every shard's sums, the second only the flagged shards'."""
+    found: list[Nonfinite] = []
+    first: list[tuple[_Shard, list[Tensor]]] = []
+    for shard in shards:
+        state, cfg = shard.state, shard.cfg
+        if cfg.code is MomentumCode.FLAG:
+            shard.flag = FlagPass(0, torch.empty_like(state[ROW_M]), torch.empty_like(state[COL_M]),
+                                  state[ROW_M].new_empty(4))
+            found.append(backend.flag_shard_pass_(shard.work, shard.grad, state, cfg, shard.start, shard.flag))
+            v_first = backend.updating_flag_pass(cfg) == 0
+            first.append((shard, [shard.flag.new_row_m, shard.flag.new_col_m]
+                          + ([state[ROW_V], state[COL_V]] if v_first else [])))
+        else:
+            found.append(backend.shard_step_(shard.work, shard.grad, state, cfg, shard.start))
+            shard.write_back()
+            keys = [ROW_V, COL_V] + ([ROW_M, COL_M] if cfg.beta1 is not None else [])
+            first.append((shard, [state[key] for key in keys]))
+    second: list[tuple[_Shard, list[Tensor]]] = []
+    for (shard, _), sums in zip(first, _reduce_together(first)):
+        state, flag = shard.state, shard.flag
+        if flag is None:
+            for row_key, col_key, row_sums, col_sums in zip((ROW_V, ROW_M), (COL_V, COL_M), sums[::2], sums[1::2]):
+                store_factors_(state, row_key, col_key, row_sums, col_sums)
+            continue
+        store_factors_({ROW_M: flag.new_row_m, COL_M: flag.new_col_m}, ROW_M, COL_M, sums[0], sums[1])
+        if len(sums) > 2:  # V's sums came from the first pass
+            store_factors_(state, ROW_V, COL_V, sums[2], sums[3])
+        shard.flag = flag._replace(number=1)
+        found.append(backend.flag_shard_pass_(shard.work, shard.grad, state, shard.cfg, shard.start, shard.flag))
+        shard.write_back()
+        second.append((shard, [flag.level_sums] + ([] if len(sums) > 2 else [state[ROW_V], state[COL_V]])))
+    for (shard, _), sums in zip(second, _reduce_together(second)):
+        state, flag = shard.state, shard.flag
+        assert flag is not None
+        if len(sums) > 1:  # V's sums came from the second pass
+            store_factors_(state, ROW_V, COL_V, sums[1], sums[2])
+        state[ROW_M].copy_(flag.new_row_m)
+        state[COL_M].copy_(flag.new_col_m)
+        state[LEVELS_M].copy_(flag_levels(sums[0]))
+    return found
 
 
 def _fused_flag_shard_step_(backend: Backend, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
                             start: int, reduce: Reducer) -> Nonfinite:
-    """The magnitude flag on a fused backend over a shard: its two passes
-    (:meth:`smmf.kernels.Backend.flag_shard_pass_`), the shards' sums added up after each. The first
-    pass's |M| sums make the new factors, which the second encodes against; the second's level sums
-    make the levels; V's sums come from the pass that steps the weights
-    (:meth:`smmf.kernels.Backend.updating_flag_pass`)."""
-    work = weight if weight.is_contiguous() else weight.contiguous()
-    new_row_m, new_col_m = torch.empty_like(state[ROW_M]), torch.empty_like(state[COL_M])
-    level_sums = state[ROW_M].new_empty(4)
-    v_first = backend.updating_flag_pass(cfg) == 0
-    v_sums = [state[ROW_V], state[COL_V]]  # raw, after the pass that steps the weights
-    found = [backend.flag_shard_pass_(work, grad, state, cfg, start, FlagPass(0, new_row_m, new_col_m, level_sums))]
-    first = reduce([new_row_m, new_col_m] + (v_sums if v_first else []))
-    store_factors_({ROW_M: new_row_m, COL_M: new_col_m}, ROW_M, COL_M, first[0], first[1])
-    found.append(backend.flag_shard_pass_(work, grad, state, cfg, start, FlagPass(1, new_row_m, new_col_m, level_sums)))
-    if work is not weight:
-        weight.copy_(work)
-    second = reduce([level_sums] + ([] if v_first else v_sums))
-    store_factors_(state, ROW_V, COL_V, *(first[2:] if v_first else second[1:]))
-    state[ROW_M].copy_(new_row_m)
-    state[COL_M].copy_(new_col_m)
-    state[LEVELS_M].copy_(flag_levels(second[0]))
-    counted = [n for n in found if n is not None]
-    return sum(counted[1:], counted[0]) if counted else None
+    """One shard under the magnitude flag, its sums added up by ``reduce`` (tests stand threads in
+    for ranks)."""
+    return _total(_shard_steps(backend, [_Shard(weight, grad, state, cfg, start, "shard", reduce)]))
 
 
 def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Reducer) -> Tensor:
