@@ -186,8 +186,10 @@ def _step(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc
     count are bit-identical.
 
     Inlined into :func:`_kernel_parallel` (blocks on threads) and :func:`_kernel_serial` (one
-    thread, for small tensors: waking the pool costs more than their step); everything but the
-    parallel loop is compiled apart (:mod:`~smmf.kernels.numba_cpu.structs`)."""
+    thread, for small tensors: waking the pool costs more than their step). Arrays come one by one,
+    never in a tuple (:mod:`~smmf.kernels.numba_cpu.structs` says why). The block pass is inlined
+    too: compiled apart, LLVM fuses and reassociates its arithmetic differently, which moves the
+    last bits of fp64 and bf16 results (``benchmarks/bit_identity.py`` sees it)."""
     for b in numba.prange(bad_counts.shape[0]):
         first_row, end_row = _block_rows(b, geo)
         bad_counts[b] = _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, col_acc_m[b], col_acc_v[b], row_acc_m[b],
