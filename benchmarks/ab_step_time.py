@@ -1,0 +1,86 @@
+"""Interleaved A/B of the fused CPU step between two commits, on the 52M GPT-2-like shape set.
+
+Each commit is checked out into a temporary worktree; rounds alternate between them, each a fresh
+process (warm numba cache: one untimed process per commit first) timing the median of ``--steps``
+SMMF steps after 3 warm-up steps. Prints every round's medians, their median per commit and the
+ratio. Run on a quiet machine; name the CPU with the figures.
+
+    python benchmarks/ab_step_time.py 469c2fd HEAD --rounds 6 --steps 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, statistics, sys, time
+import torch
+import smmf
+from smmf import SMMF
+from smmf.bench.shapes import gpt2_like_shapes
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(s)) for s in gpt2_like_shapes()]
+for p in params:
+    p.grad = torch.randn_like(p)
+opt = SMMF(params, lr=1e-3)
+for _ in range(3):
+    opt.step()
+times = []
+for _ in range(int(sys.argv[1])):
+    start = time.perf_counter()
+    opt.step()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"median_s": statistics.median(times), "from": smmf.__file__}))
+"""
+
+
+def _time(tree: Path, steps: int) -> float:
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    out = subprocess.run([sys.executable, "-c", CHILD, str(steps)], env=env, capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["from"].startswith(str(tree)), f"imported {result['from']}, not the worktree's smmf"
+    return result["median_s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("before")
+    parser.add_argument("after")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {}
+        for name in (args.before, args.after):
+            tree = Path(tmp) / name.replace("/", "_")
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), name], check=True)
+            trees[name] = tree
+        try:
+            for tree in trees.values():
+                _time(tree, 1)  # compile and cache the kernels
+            medians: dict[str, list[float]] = {name: [] for name in trees}
+            for round_ in range(1, args.rounds + 1):
+                for name, tree in trees.items():
+                    medians[name].append(_time(tree, args.steps))
+                print(f"round {round_}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()))
+            summary = {name: statistics.median(m) for name, m in medians.items()}
+            print(", ".join(f"{n}: median {s * 1e3:.1f} ms, best {min(medians[n]) * 1e3:.1f} ms"
+                            for n, s in summary.items()))
+            print(f"{args.after} / {args.before}: {summary[args.after] / summary[args.before]:.3f}")
+        finally:
+            for tree in trees.values():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
