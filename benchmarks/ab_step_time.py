@@ -1,7 +1,7 @@
 """Interleaved A/B of the fused CPU step between two commits, on the 52M GPT-2-like shape set.
 
-Each commit is checked out into a temporary worktree; rounds alternate between them, each a fresh
-process (warm numba cache: one untimed process per commit first) timing the median of ``--steps``
+Each commit is checked out into a temporary worktree; rounds alternate between them (ABBA: which
+goes first alternates too), each a fresh process (warm numba cache: one untimed process per commit first) timing the median of ``--steps``
 SMMF steps after 3 warm-up steps. Prints every round's medians, their median per commit and the
 ratio. Run on a quiet machine; name the CPU with the figures.
 
@@ -68,8 +68,10 @@ def main() -> int:
             for tree in trees.values():
                 _time(tree, 1)  # compile and cache the kernels
             medians: dict[str, list[float]] = {name: [] for name in trees}
+            order = list(trees.items())
             for round_ in range(1, args.rounds + 1):
-                for name, tree in trees.items():
+                # ABBA: the second process of a round runs slower here (~3%), so the order alternates
+                for name, tree in order if round_ % 2 else order[::-1]:
                     medians[name].append(_time(tree, args.steps))
                 print(f"round {round_}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()))
             summary = {name: statistics.median(m) for name, m in medians.items()}
