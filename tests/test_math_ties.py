@@ -8,10 +8,11 @@ import torch
 
 from smmf.functional import flag_levels
 
-numba = pytest.importorskip("numba")
+
 
 
 def test_numba_bf16_rounding_is_torchs() -> None:
+    numba = pytest.importorskip("numba")
     """The numba kernels' bf16 store (nearest even, NaN kept NaN) writes what ``Tensor.to(bfloat16)``
     writes, on ties, the largest values, infinities, NaNs and subnormals."""
     import numpy as np
@@ -34,6 +35,7 @@ def test_numba_bf16_rounding_is_torchs() -> None:
 
 
 def test_numba_flag_levels_are_flag_levels() -> None:
+    numba = pytest.importorskip("numba")
     """The levels the numba kernel makes from its level sums are :func:`smmf.functional.flag_levels`'s,
     including an empty set (energy 0) and NaN/inf sums."""
     from smmf.kernels.numba_cpu.elements import flag_level
@@ -51,3 +53,17 @@ def test_numba_flag_levels_are_flag_levels() -> None:
         for sums in cases:
             got = torch.tensor(levels(sums.to(dtype).numpy()), dtype=dtype)
             torch.testing.assert_close(got, flag_levels(sums.to(dtype)), rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_cheap_layout_keys_are_state_layouts() -> None:
+    """``check_state_fits`` compares key sets from ``_layout_keys`` at every step; they must be
+    :func:`smmf.state.state_layout`'s keys for every code of M."""
+    from smmf.state import _layout_keys, state_layout
+
+    for shape in [(7,), (5, 6), (3, 4, 5)]:
+        p = torch.zeros(shape)
+        for beta in (0.9, None):
+            for vector_reshape in (True, False):
+                for options in ({}, {"momentum_shape": "natural"}, {"magnitude_bits": 1}):
+                    group = {"beta": beta, "vector_reshape": vector_reshape, **options}
+                    assert _layout_keys(p, group) == set(state_layout(p, group)), (shape, group)

@@ -121,6 +121,19 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     return layout
 
 
+def _layout_keys(param: Tensor, group: Mapping[str, Any]) -> set[str]:
+    """The keys of :func:`state_layout`, without its shapes (checked at every step: kept cheap)."""
+    code = momentum_code(param, group)
+    if code is MomentumCode.DENSE:
+        return {EXP_AVG_SQ} | ({EXP_AVG} if group["beta"] is not None else set())
+    keys = {ROW_V, COL_V}
+    if code is not MomentumCode.NONE:
+        keys |= {ROW_M, COL_M, SIGN_M}
+    if code is MomentumCode.FLAG:
+        keys |= {FLAG_M, LEVELS_M}
+    return keys
+
+
 def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
     state: dict[str, Any] = {STEP: 0}
     info = shard_info(param)
@@ -143,7 +156,7 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
     ``beta`` to or from None, ``vector_reshape``, ``momentum_shape``, ``magnitude_bits`` — would be
     ignored, and the optimizer could then not load its own checkpoint)."""
     real = real_view(param)
-    if set(state) - {STEP} != set(state_layout(param, group)):  # the state was made under another code
+    if state.keys() - {STEP} != _layout_keys(param, group):  # the state was made under another code
         _refuse_layout_change()
     if EXP_AVG_SQ in state:
         got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)

@@ -85,7 +85,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
         row_v=state[ROW_V].numpy(), col_v=state[COL_V].numpy())
     geo = Geometry(n=rows, m=cols, m_cols=m_cols, row0=row0, rows_per_block=rows_per_block, lo=lo, hi=hi)
     opts = Options(has_m=has_m, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole)
-    sc = Scalars(*(scalar(x) for x in scalars(cfg, rows * cols, dtype)))
+    sc = Scalars._make(map(scalar, scalars(cfg, rows * cols, dtype)))
     w, g = _as_numpy(weight), _as_numpy(grad)
     parallel = hi - lo >= PARALLEL_MIN_NUMEL
     flag: Optional[FlagArrays] = None
