@@ -37,8 +37,8 @@ from .tiles import copy_bytes
 
 @triton.jit
 def finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.constexpr,
-                   COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr, FIRST: tl.constexpr,
-                   MOMENTS: tl.constexpr, TO_SCRATCH: tl.constexpr, FLAG: tl.constexpr):
+                  COPIERS: tl.constexpr, COPY_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr, FIRST: tl.constexpr,
+                  MOMENTS: tl.constexpr, TO_SCRATCH: tl.constexpr, FLAG: tl.constexpr):
     """Program (t, j < MOMENTS) finishes tensor t's moment FIRST + j: 0 is V, 1 is M (in M's own
     view, ``T_M_COLS`` .. ``T_M_PARTIAL_AT``): row factor = Σ over tiles (0 for rows without elements lo ..
     hi), column factor = Σ over bands / total (0 total → divide by 1, as ``nnmf_from_sums``; not

@@ -39,9 +39,9 @@ from .tiles import finite_or_cap, momentum, or_bits, work_item
 
 @triton.jit
 def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
-                 seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr,
-                 BC: tl.constexpr, BAND: tl.constexpr):
+                seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
+                ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr, BAND: tl.constexpr):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
     laid out per tensor as [V rows: tiles×n][V cols: bands×m][M rows][M cols] (:func:`~smmf.kernels.triton_gpu.table.layout`);
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
@@ -215,8 +215,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
 
 @triton.jit
 def momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, shrink, l2, W_DTYPE: tl.constexpr,
-                          ZERO_BAD: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                          BAND: tl.constexpr):
+                         ZERO_BAD: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                         BAND: tl.constexpr):
     """|M|'s partial row and column sums in M's own view (``momentum_shape="natural"``, and every
     view under the magnitude flag, whose encoding needs the new factors first), one work item per
     (band, column tile) of the rows that hold elements lo .. hi (all, or an FSDP2 shard's), from the

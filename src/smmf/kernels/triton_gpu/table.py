@@ -56,7 +56,7 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
 
 @functools.lru_cache(maxsize=256)
 def layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool,
-            device: torch.device) -> tuple[list[dict[str, int]], Tensor, Tensor, int, int]:
+           device: torch.device) -> tuple[list[dict[str, int]], Tensor, Tensor, int, int]:
     """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi, m_cols, flag: the n×m
     matrix's elements lo .. hi, the columns of M's view, whether M carries the magnitude flag):
     each tensor's geometry columns of the table, by field name, the step kernel's and the momentum sums
