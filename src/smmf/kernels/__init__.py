@@ -57,8 +57,10 @@ def check_backend(name: str) -> None:
         raise RuntimeError(f"backend {name!r} is not available here ({hint})")
 
 
+@functools.lru_cache(maxsize=None)
 def load_backend(name: str) -> Backend:
-    """The fused backend ``name`` (its module imported now)."""
+    """The fused backend ``name`` (its module imported at the first call; dispatch asks for it for
+    every param at every step)."""
     backend: Backend = importlib.import_module(FUSED[name][0]).BACKEND
     return backend
 
