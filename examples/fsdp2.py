@@ -1,5 +1,7 @@
-"""FSDP2 (fully_shard) with SMMF and a distributed checkpoint: torchrun --nproc-per-node 2 examples/fsdp2.py"""
+"""FSDP2 (fully_shard) with SMMF and a distributed checkpoint:
+torchrun --nproc-per-node 2 examples/fsdp2.py [--step-in-backward]"""
 
+import sys
 import tempfile
 
 import torch
@@ -9,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from smmf import SMMF
+from smmf import SMMF, step_in_backward
 
 dist.init_process_group("gloo")  # "nccl" and device "cuda" on GPUs
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -24,6 +26,13 @@ def build() -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+def smmf(model: torch.nn.Module) -> SMMF:
+    optimizer = SMMF(model.parameters(), lr=1e-3)
+    if "--step-in-backward" in sys.argv:  # each shard stepped, and its gradient freed, after its reduce-scatter
+        step_in_backward(optimizer, module=model)  # step() and zero_grad() in train() then do nothing
+    return optimizer
+
+
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> float:
     for step in steps:
         gen = torch.Generator().manual_seed(step)
@@ -36,7 +45,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range
 
 
 model = build()
-optimizer = SMMF(model.parameters(), lr=1e-3)
+optimizer = smmf(model)
 train(model, optimizer, range(10))
 checkpoint = tempfile.mkdtemp() if rank == 0 else None
 obj = [checkpoint]
@@ -45,7 +54,7 @@ model_sd, optim_sd = get_state_dict(model, optimizer)
 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=obj[0])
 
 resumed = build()
-resumed_optimizer = SMMF(resumed.parameters(), lr=1e-3)
+resumed_optimizer = smmf(resumed)
 model_sd, optim_sd = get_state_dict(resumed, resumed_optimizer)
 state = {"model": model_sd, "optim": optim_sd}
 dcp.load(state, checkpoint_id=obj[0])

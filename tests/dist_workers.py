@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -218,4 +219,84 @@ def fsdp2_peak_worker(rank: int, world: int, port: int, out: str, options: dict)
         extra[backend] = ((status_kib("VmHWM") or 0) - before) * 1024 / (local.numel() * 4)
     if rank == 0:
         torch.save(extra, Path(out) / "fsdp2_peak.pt")
+    finish()
+
+
+def _micro_batches(step: int, rank: int, world: int, k: int):
+    x, tokens, y = (t.chunk(world)[rank] for t in batch(step))
+    return zip(x.chunk(k), tokens.chunk(k), y.chunk(k))
+
+
+def _train_accumulating(model: nn.Module, opt: SMMF, steps: range, rank: int, world: int, k: int,
+                        in_backward: bool) -> None:
+    """k micro-batches per step, gradient sync on the last only: switched by the loop (the ordinary
+    one) or by ``step_in_backward``'s hooks."""
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    for step in steps:
+        for micro, (x, tokens, y) in enumerate(_micro_batches(step, rank, world, k)):
+            last = micro == k - 1
+            if not in_backward and not ddp:
+                model.set_requires_gradient_sync(last)
+            context = model.no_sync() if ddp and not in_backward and not last else nullcontext()
+            with context:
+                nn.functional.mse_loss(model(x, tokens), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(t):
+    if not isinstance(t, torch.Tensor):
+        return torch.tensor(t)  # the step count
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _accumulating_run(kind: str, world: int, options: dict, k: int, in_backward: bool, load=None):
+    """A fresh model and optimizer, stepping inside backward or not, resumed from the DCP checkpoint
+    ``load`` when given (loaded as users do: the hooks first, then a template state dict filled by DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from smmf import step_in_backward
+
+    model = nn.parallel.DistributedDataParallel(make_net()) if kind == "ddp" else _sharded_net(world)
+    opt = optimizer(model.parameters(), **options)
+    if in_backward:  # "fsdp2 alone": without the module, FSDP2 syncs every micro-batch
+        step_in_backward(opt, k, module=None if kind == "fsdp2 alone" else model)
+    if load is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=load)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, opt
+
+
+def _snapshot(model: nn.Module, opt: SMMF) -> dict:
+    params = list(model.parameters())
+    return {"params": [_full(p) for p in params],
+            "state": [{key: _full(value) for key, value in opt.state[p].items()} for p in params],
+            "grads": [None if p.grad is None else _full(p.grad) for p in params]}
+
+
+def step_in_backward_worker(rank: int, world: int, port: int, out: str, kind: str, options: dict, k: int) -> None:
+    """The ordinary DDP / FSDP2 loop against ``step_in_backward(module=...)``: params and state after
+    STEPS steps, then each one's checkpoint continued two steps by the other."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    init(rank, world, port)
+    runs, checkpoints, results = {}, {}, {}
+    for in_backward in (False, True):
+        model, opt = runs[in_backward] = _accumulating_run(kind, world, options, k, in_backward)
+        _train_accumulating(model, opt, range(STEPS), rank, world, k, in_backward)
+        results[in_backward] = _snapshot(model, opt)
+        checkpoints[in_backward] = Path(out) / f"dcp-{in_backward}"
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoints[in_backward])
+    for in_backward in (False, True):  # each continued by itself and from the other's checkpoint
+        for model, opt in (runs[in_backward],
+                           _accumulating_run(kind, world, options, k, in_backward, checkpoints[not in_backward])):
+            _train_accumulating(model, opt, range(STEPS, STEPS + 2), rank, world, k, in_backward)
+            results.setdefault("continued", []).append(_snapshot(model, opt)["params"])
+    if rank == 0:
+        torch.save(results, Path(out) / "in_backward.pt")
     finish()

@@ -140,11 +140,14 @@ def test_grad_scaler_fails_loudly() -> None:
         scaler.step(opt)
 
 
-def test_refused_under_a_multi_rank_process_group(monkeypatch) -> None:
+def test_plain_params_need_the_module_under_a_multi_rank_process_group(monkeypatch) -> None:
+    """Without the DDP module, a param's step would see this rank's gradient before the all-reduce."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 2)
-    with pytest.raises(RuntimeError, match="cannot run under DDP"):
-        step_in_backward(SMMF(_cnn().parameters()))
+    opt = SMMF(_cnn().parameters())
+    with pytest.raises(RuntimeError, match="needs the module that reduces the gradients across ranks"):
+        step_in_backward(opt)
+    assert opt._step_in_backward is None  # nothing installed: the ordinary loop still works
 
 
 def test_bad_arguments() -> None:
@@ -152,6 +155,9 @@ def test_bad_arguments() -> None:
         step_in_backward(torch.optim.Adam(_cnn().parameters()))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="accumulation_steps should be an int >= 1"):
         step_in_backward(SMMF(_cnn().parameters()), accumulation_steps=0)
+    model = _cnn()
+    with pytest.raises(TypeError, match="DistributedDataParallel or FSDP2 .* not Sequential"):
+        step_in_backward(SMMF(model.parameters()), module=model)
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:

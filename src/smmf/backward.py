@@ -31,27 +31,35 @@ from types import FrameType
 from typing import Any, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .backward_ranks import ModuleSync, is_ddp, is_fsdp2, managed_elsewhere
 from .optimizer import SMMF
-from .state import LAYOUT_OPTIONS, check_state_fits
+from .sharding import is_dtensor
+from .state import LAYOUT_OPTIONS, check_state_fits, init_state
 
 __all__ = ["step_in_backward", "StepInBackward"]
 
 _ENGINE = torch.autograd.Variable._execution_engine
-# The frame of a Python autograd Function's backward (activation checkpointing's among them): a hook
-# that fires with one below it on the stack runs in a backward launched from inside another.
+# The frames of a Python autograd Function's backward (activation checkpointing's among them) and of
+# a run of the autograd engine: a hook that fires with an engine run above the first on the stack
+# runs in a backward launched from inside another.
 _FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+_ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
 
 
 def _enclosing_backward_node() -> Any:
     """The node of the outermost backward whose own backward launched the one running now (reentrant
-    checkpointing), or ``None`` when the running backward is the outermost."""
-    node = None
+    checkpointing), or ``None`` when the running backward is the outermost. A Function whose backward
+    calls the hook itself, with no engine run between (FSDP2's reduce-scatter fires the hooks of the
+    sharded params from its post-backward Function), does not enclose it."""
+    node, nested = None, False
     frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _FUNCTION_BACKWARD:
-            node = frame.f_locals.get("self")
+        if frame.f_code is _ENGINE_RUN:
+            nested = True
+        elif frame.f_code is _FUNCTION_BACKWARD and nested:
+            node, nested = frame.f_locals.get("self"), False
         frame = frame.f_back
     return node
 
@@ -90,10 +98,10 @@ class StepInBackward:
     """The hooks :func:`step_in_backward` registered: :meth:`remove` restores the ordinary loop,
     :meth:`reset` discards a window a failed backward left open."""
 
-    def __init__(self, optimizer: SMMF, accumulation_steps: int) -> None:
+    def __init__(self, optimizer: SMMF, accumulation_steps: int, module: Optional[nn.Module] = None) -> None:
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
-        self._lock = threading.RLock()  # CPU and CUDA params' hooks fire on different threads
+        self._lock = threading.RLock()  # CPU and CUDA params' hooks (and DDP's futures) fire on other threads
         self._handles: dict[Tensor, Any] = {}
         self._micro = 0  # backwards completed in the current window
         self._ending: Optional[weakref.ref[_EndOfBackward]] = None  # set while a backward runs
@@ -104,6 +112,7 @@ class StepInBackward:
         self._reentrant_open: dict[int, weakref.ref[_EndOfReentrant]] = {}  # by graph task id
         self._groups: tuple[tuple[int, ...], dict[Tensor, dict[str, Any]]] = ((), {})
         self._layouts: dict[int, tuple[Any, ...]] = {}  # each group's layout options at the last backward
+        self._sync = ModuleSync(self, module) if module is not None else None
         for group in optimizer.param_groups:
             self.attach(group["params"])
 
@@ -113,9 +122,16 @@ class StepInBackward:
 
     def attach(self, params: list[Tensor]) -> None:
         """Hook ``params`` (the optimizer's :meth:`~SMMF.add_param_group` calls this). Frozen ones
-        get a hook too, which fires once they are unfrozen."""
+        get a hook too, which fires once they are unfrozen. Every param's state is made now, as the
+        first step would make it: ``torch.distributed.checkpoint``'s state dicts make a missing state
+        by calling ``step()`` with zero gradients, which does nothing here."""
+        elsewhere = managed_elsewhere(self._sync)
+        for group in self.optimizer.param_groups:  # DCP's state_dict calls step() to make the state: a no-op now
+            for param in group["params"]:
+                if not self.optimizer.state.get(param):
+                    self.optimizer.state[param] = init_state(param, group)
         for param in params:
-            if param in self._handles:
+            if param in self._handles or param in elsewhere:
                 continue
             frozen = not param.requires_grad
             if frozen:
@@ -135,6 +151,8 @@ class StepInBackward:
             self._handles = {}
             if self.active:
                 self.optimizer._step_in_backward = None
+            if self._sync is not None:
+                self._sync.remove()
 
     def reset(self) -> None:
         """Discard the current window: every gradient of the optimizer's params is dropped and the
@@ -169,9 +187,25 @@ class StepInBackward:
             if enclosing is not None or param in self._reentrant:
                 self._reentrant.add(param)  # stepped when the outermost backward ends
                 return
-            self.optimizer.step_params([(self._group_of(param), param)])
+            self.step_now([param])
             self._stepped.add(param)
-            param.grad = None
+
+    def window_closes(self) -> bool:
+        """Whether the running backward is the last of its accumulation window."""
+        return self._micro + 1 >= self.accumulation_steps
+
+    def step_now(self, params: list[Tensor], grads: Optional[list[Tensor]] = None) -> None:
+        """Step ``params`` (with ``grads`` in place of their ``.grad``), then free their ``.grad``."""
+        with self._lock:
+            self.optimizer.step_params([(self._group_of(p), p) for p in params], grads)
+            if grads is None:
+                for param in params:
+                    param.grad = None
+
+    def _backward_reached(self, grad: Any) -> None:
+        """A backward reached the module's output: counted even when no param hook fires in it."""
+        with self._lock:
+            self._note_backward(_enclosing_backward_node())
 
     def _note_backward(self, enclosing: Any) -> None:
         """Make sure the end of the outermost backward is seen; refuse to go on after a failed one."""
@@ -254,7 +288,9 @@ class StepInBackward:
                 return
             self._micro = 0
             # What the hooks left: params this micro-batch did not reach, and those deferred by reentrancy.
-            left = [(group, p) for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            elsewhere = managed_elsewhere(self._sync)
+            left = [(group, p) for group in self.optimizer.param_groups for p in group["params"]
+                    if p.grad is not None and p not in elsewhere]
             try:
                 self.optimizer.step_params(left)
             except BaseException:
@@ -264,7 +300,7 @@ class StepInBackward:
                 param.grad = None
 
 
-def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1) -> StepInBackward:
+def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optional[nn.Module] = None) -> StepInBackward:
     """Run ``optimizer``'s step for each parameter inside backward, and free its gradient.
 
     ``accumulation_steps=k`` accumulates k backward passes (micro-batches) and steps during the k-th;
@@ -273,6 +309,12 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1) -> StepInBack
     parameters is not counted). The loop is ``loss.backward()`` per micro-batch; ``optimizer.step()``
     and ``optimizer.zero_grad()`` may stay in it and do nothing to the hooked parameters.
 
+    ``module``: across ranks, the ``DistributedDataParallel`` or FSDP2 (``fully_shard``) model that
+    reduces the gradients. Under DDP it is required: each bucket's parameters are stepped when its
+    all-reduce completes (their ``.grad`` then holds zeros: DDP keeps its buckets). Under FSDP2 each
+    shard is stepped when its reduce-scatter is done, with or without ``module``; given it, the first
+    k−1 micro-batches of a window run without gradient sync (do not switch sync yourself then).
+
     After a backward that raised, call ``reset()`` on the returned handle before the next one: it
     discards the unfinished window (parameters the failed backward had stepped stay stepped).
 
@@ -280,24 +322,31 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1) -> StepInBack
     until every gradient exists; clip inside your loss, or per parameter with a hook of your own
     registered first); ``torch.amp.GradScaler`` (the step would run on scaled gradients before the
     scaler could check them; ``scaler.step`` then fails with its "No inf checks were recorded"
-    error); DDP or any multi-process gradient reduction (the step would see this rank's gradient
-    before the all-reduce: refused while a process group of more than one rank exists); installing
-    twice on one optimizer.
+    error); plain parameters reduced across ranks without ``module`` (the step would see this rank's
+    gradient before the all-reduce: refused while a process group of more than one rank exists);
+    installing twice on one optimizer.
     """
     if not isinstance(optimizer, SMMF):
         raise TypeError(f"step_in_backward takes an smmf.SMMF optimizer, not {type(optimizer).__name__}")
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps should be an int >= 1 but is: {accumulation_steps!r}")
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if module is not None and not (is_ddp(module) or is_fsdp2(module)):
+        raise TypeError("module should be the DistributedDataParallel or FSDP2 (fully_shard) model that reduces the "
+                        f"gradients, not {type(module).__name__}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                  and torch.distributed.get_world_size() > 1)
+    if module is None and multi_rank and not all(is_dtensor(p) for p in params):
         raise RuntimeError(
-            "step_in_backward cannot run under DDP or another multi-rank gradient reduction: each param's step "
-            "would see this rank's gradient before the all-reduce. Use the ordinary optimizer.step()."
+            "step_in_backward needs the module that reduces the gradients across ranks: each param's step would "
+            "otherwise see this rank's gradient before the all-reduce. Pass module=<your DistributedDataParallel "
+            "model>, or use the ordinary optimizer.step()."
         )
     if optimizer._step_in_backward is not None:
         raise RuntimeError(
             "step_in_backward is already installed on this optimizer; call remove() on its handle before "
             "installing it again"
         )
-    handle = StepInBackward(optimizer, accumulation_steps)
+    handle = StepInBackward(optimizer, accumulation_steps, module)
     optimizer._step_in_backward = handle
     return handle

@@ -344,9 +344,10 @@ class SMMF(Optimizer):
 
     @torch.compiler.disable  # the kernels take Python scalars and raw data: torch.compile breaks the graph here
     @torch.no_grad()
-    def step_params(self, params: list[tuple[dict[str, Any], Tensor]]) -> None:
+    def step_params(self, params: list[tuple[dict[str, Any], Tensor]], grads: Optional[list[Tensor]] = None) -> None:
         """The step of some of the params, each with its group: what :meth:`step` does for all of
-        them, and :func:`smmf.step_in_backward` for one as soon as its gradient is ready.
+        them, and :func:`smmf.step_in_backward` for one as soon as its gradient is ready. ``grads``,
+        when given, are the params' gradients in place of their ``.grad`` (DDP's reduced bucket).
 
         Like an in-place torch op, it bumps the version of every tensor it writes, so autograd
         refuses a graph that saved a weight before the step. A step that raises before its kernels
@@ -354,10 +355,11 @@ class SMMF(Optimizer):
         params, their state and its ``step`` count as they were. (A launch of many tensors that
         failed part-way would have its counts restored too; no kernel is known to fail after
         writing.)"""
+        if grads is not None and len(grads) != len(params):
+            raise ValueError(f"step_params got {len(grads)} gradients for {len(params)} params")
         # Check everything before touching anything: a rejected step changes no param or state.
         work = []
-        for group, param in params:
-            grad = param.grad
+        for (group, param), grad in zip(params, grads if grads is not None else [p.grad for _, p in params]):
             if grad is None:
                 continue
             _check_grad(param, grad)

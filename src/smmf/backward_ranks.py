@@ -1,0 +1,108 @@
+"""The step inside backward across ranks: what :func:`smmf.step_in_backward` adds when it is given the
+DDP or FSDP2 module that reduces the gradients.
+
+- **DDP** all-reduces gradients in buckets after autograd has summed them on each rank, so a
+  parameter's post-accumulate-grad hook would see this rank's gradient alone. A communication hook
+  averages each bucket as DDP's own does, then steps the bucket's parameters with the averaged
+  gradients when the all-reduce completes, and hands DDP zeros to write into ``.grad`` (DDP keeps its
+  bucket buffers whatever the optimizer does; zeros make the next backward's accumulation start from
+  nothing, as ``zero_grad`` would).
+- **FSDP2** fires the hooks of the sharded parameters itself, after the reduce-scatter: the
+  single-process hooks step each shard there and free its gradient.
+- **Accumulation** (``accumulation_steps=k``): a forward pre-hook turns gradient sync off for the
+  first k−1 micro-batches of each window and on for the k-th (DDP's ``no_sync``, FSDP2's
+  ``set_requires_gradient_sync``), and a hook on the module's output counts the backwards that reach
+  no parameter hook (those without sync).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from .backward import StepInBackward
+
+__all__ = ["ModuleSync", "is_ddp", "is_fsdp2"]
+
+
+def is_ddp(module: nn.Module) -> bool:
+    return isinstance(module, nn.parallel.DistributedDataParallel)
+
+
+def is_fsdp2(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 keeps it under _composable
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        except ImportError:
+            return False
+    return isinstance(module, FSDPModule)
+
+
+class ModuleSync:
+    """The hooks on a DDP or FSDP2 ``module`` of one :class:`~smmf.backward.StepInBackward`."""
+
+    def __init__(self, handle: StepInBackward, module: nn.Module) -> None:
+        self.handle, self.module = handle, module
+        self.ddp = is_ddp(module)
+        # Params whose step the DDP communication hook takes (their .grad holds this rank's gradient).
+        self.bucketed: set[Tensor] = set(module.parameters()) if self.ddp else set()
+        if self.ddp:  # first: DDP refuses a second communication hook, before anything else is hooked
+            ddp: Any = module
+            # (A lambda: DDP checks the hook's annotations against the classes, not the strings ours are.)
+            ddp.register_comm_hook(ddp.process_group, lambda group, bucket: self._reduce_and_step(group, bucket))
+        self._handles = [module.register_forward_pre_hook(self._set_sync),
+                         module.register_forward_hook(self._count_backward)]
+
+    def remove(self) -> None:
+        """Unhook; DDP cannot drop a communication hook, so ours then averages as DDP's own does."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._set_sync(self.module, ())
+        self.bucketed = set()
+
+    def _set_sync(self, module: Any, args: Any) -> None:
+        handle = self.handle
+        sync = not handle.active or handle._micro + 1 >= handle.accumulation_steps
+        if self.ddp:
+            module.require_backward_grad_sync = sync
+        else:
+            module.set_requires_gradient_sync(sync)
+
+    def _count_backward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Make every backward through the module's output count, hooks or not."""
+        if not (torch.is_grad_enabled() and self.handle.active):
+            return
+        tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self.handle._backward_reached, mode="any")
+
+    def _reduce_and_step(self, group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        buffer = bucket.buffer()
+        buffer.div_(dist.get_world_size(group))  # DDP's own averaging: divide, then sum
+        reduced = dist.all_reduce(buffer, group=group, async_op=True)
+        assert reduced is not None
+        with self.handle._lock:  # now, in backward: the future may complete after the backward's end is counted
+            closes = self.handle.window_closes()
+        return reduced.get_future().then(lambda done: self._step_bucket(bucket, done.value()[0], closes))
+
+    def _step_bucket(self, bucket: dist.GradBucket, reduced: Tensor, closes: bool) -> Tensor:
+        with self.handle._lock:  # the future may complete on another thread than autograd's
+            params = [p for p in bucket.parameters() if p in self.bucketed and p.grad is not None]
+            if not params or not closes:
+                return reduced  # DDP writes the averaged gradients into .grad, as without the hook
+            grads = dict(zip(map(id, bucket.parameters()), bucket.gradients()))
+            self.handle.step_now(params, [grads[id(p)] for p in params])
+            return reduced.zero_()
+
+
+def managed_elsewhere(sync: Optional[ModuleSync]) -> set[Tensor]:
+    """The params that DDP's communication hook steps: no post-accumulate-grad hook for them."""
+    return sync.bucketed if sync is not None else set()
