@@ -300,3 +300,61 @@ def step_in_backward_worker(rank: int, world: int, port: int, out: str, kind: st
     if rank == 0:
         torch.save(results, Path(out) / "in_backward.pt")
     finish()
+
+
+def _train_replicated(model: nn.Module, opt: SMMF, steps: range) -> None:
+    """The whole batch on every rank: the same averaged gradient on any number of ranks."""
+    for step in steps:
+        x, tokens, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x, tokens), y).backward()
+        opt.step()
+
+
+def reshard_save_worker(rank: int, world: int, port: int, out: str, options: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    init(rank, world, port)
+    model = _sharded_net(world)
+    opt = optimizer(model.parameters(), **options)
+    _train_replicated(model, opt, range(3))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(out) / f"saved-on-{world}")
+    finish()
+
+
+def reshard_load_worker(rank: int, world: int, port: int, out: str, options: dict, saved_on: int) -> None:
+    """Load the checkpoint saved on ``saved_on`` ranks on ``world``, continue three steps; on 3 ranks,
+    also offer a shard's bits in the per-rank layout of another number of ranks (refused, unchanged)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    init(rank, world, port)
+    model = _sharded_net(world)
+    opt = optimizer(model.parameters(), **options)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=Path(out) / f"saved-on-{saved_on}")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    refusal = None
+    if world == 3:
+        before = opt.state_dict()
+        legacy = opt.state_dict()
+        per_rank = torch.zeros(2 * 5, dtype=torch.uint8)  # 5 bytes on each of 2 ranks: not a layout of 3
+        legacy["state"][0] = {**legacy["state"][0],
+                              "sign_m": distribute_tensor(per_rank, model.embed.weight.device_mesh, [Shard(0)])}
+        try:
+            opt.load_state_dict(legacy)
+        except ValueError as err:
+            refusal = str(err)
+        after = opt.state_dict()
+        assert all(torch.equal(_full(after["state"][i][key]), _full(value))
+                   for i, entry in before["state"].items() for key, value in entry.items())
+    _train_replicated(model, opt, range(3, 6))
+    result = {"params": _full_params(model), "refusal": refusal,
+              "state": [{key: _full(value) for key, value in entry.items()} for _, entry in sorted(opt.state_dict()["state"].items())]}
+    if rank == 0:
+        torch.save(result, Path(out) / f"loaded-{saved_on}-on-{world}.pt")
+    finish()

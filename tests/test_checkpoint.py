@@ -137,3 +137,27 @@ def test_bad_checkpoint_is_rejected_and_changes_nothing(corrupt, match: str) -> 
         for k, v in st.items():
             assert torch.equal(torch.as_tensor(after["state"][pid][k]), torch.as_tensor(v))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), params_before))
+
+
+def test_bits_by_rows_of_an_fsdp2_checkpoint_load_into_plain_params() -> None:
+    """FSDP2 checkpoints hold the bits by rows of the parameter; a full state dict of one loads on one
+    process. Made here by hand from a plain optimizer's flat bits."""
+    model = _model()
+    opt = SMMF(model.parameters(), magnitude_bits=1)
+    for seed in range(3):
+        _step(model, opt, seed)
+    saved = copy.deepcopy(opt.state_dict())
+    for param, entry in zip(model.parameters(), saved["state"].values()):
+        rows, inner = param.shape[0], param.numel() // param.shape[0]
+        for key in ("sign_m", "flag_m"):
+            bits = ((entry[key].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[: param.numel()]
+            by_rows = torch.nn.functional.pad(bits.view(rows, inner), (0, (-inner) % 8)).view(rows, -1, 8)
+            entry[key] = (by_rows << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    fresh = SMMF(_model().parameters(), magnitude_bits=1)
+    fresh.load_state_dict(saved)
+    for state, own in zip(fresh.state.values(), opt.state.values()):
+        assert torch.equal(state["sign_m"], own["sign_m"]) and torch.equal(state["flag_m"], own["flag_m"])
+    wrong = copy.deepcopy(saved)
+    wrong["state"][0]["sign_m"] = wrong["state"][0]["sign_m"][:, :1]
+    with pytest.raises(ValueError, match="packed bits by rows of a parameter of shape"):
+        SMMF(_model().parameters(), magnitude_bits=1).load_state_dict(wrong)

@@ -136,3 +136,44 @@ def test_step_in_backward_matches_the_ordinary_loop(tmp_path, kind: str, world: 
     for continued in (crossed, straight_inside, crossed_inside):
         for a, b in zip(continued, straight):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def _element_levels(state: dict, param: torch.Tensor) -> torch.Tensor:
+    """Each element's magnitude level under the flag, from the bits by rows of the parameter."""
+    rows = param.shape[0]
+    bits = (state["flag_m"].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    flags = bits.flatten(1)[:, : param.numel() // rows].bool()
+    return torch.where(flags, state["levels_m"][0], state["levels_m"][1])
+
+
+def test_fsdp2_checkpoint_loads_on_other_numbers_of_ranks(tmp_path) -> None:
+    """A checkpoint resumed only on the number of ranks that saved it (the bits were laid out per rank)."""
+    options = FSDP2_OPTIONS["flag"]  # sign and flag bits, partial rows of the square view
+    for saved_on, loaded_on in ((2, (1, 3, 4)), (3, (1, 2))):
+        mp.spawn(dist_workers.reshard_save_worker, args=(saved_on, _free_port(), str(tmp_path), options),
+                 nprocs=saved_on, join=True)
+        for world in loaded_on:
+            mp.spawn(dist_workers.reshard_load_worker, args=(world, _free_port(), str(tmp_path), options, saved_on),
+                     nprocs=world, join=True)
+        one = torch.load(tmp_path / f"loaded-{saved_on}-on-1.pt")
+        start = dist_workers.make_net()
+        assert all(not torch.equal(p, p0.detach()) for p, p0 in zip(one["params"], start.parameters()))
+        for world in loaded_on[1:]:
+            other = torch.load(tmp_path / f"loaded-{saved_on}-on-{world}.pt")
+            for p, p1 in zip(other["params"], one["params"]):
+                torch.testing.assert_close(p, p1, rtol=0, atol=1e-12)
+            for state, state1, p in zip(other["state"], one["state"], one["params"]):
+                assert state.keys() == state1.keys()
+                for key, value in state.items():
+                    if key in ("flag_m", "levels_m"):  # compared decoded, below
+                        continue
+                    if value.is_floating_point():
+                        torch.testing.assert_close(value, state1[key], rtol=0, atol=1e-12)
+                    else:  # step, and the sign bits by rows of the parameter
+                        assert torch.equal(value, state1[key]), key
+                # The flag's level of each element. A tensor whose rank-1 fit is exact (a vector on its n×1
+                # view) has |M| = r cᵀ everywhere: its flags are ties, set either way by the last bit of a
+                # sum, and every flagged element gets a level of 1 then, whichever flag it has.
+                torch.testing.assert_close(_element_levels(state, p), _element_levels(state1, p), rtol=0, atol=1e-12)
+            if world == 3:
+                assert "laid out per rank" in other["refusal"] and "another number of ranks" in other["refusal"]

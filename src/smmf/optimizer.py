@@ -15,10 +15,13 @@ from .dispatch import Kernel, step_kernel
 from .functional import StepConfig
 from .kernels import check_backend
 from .schedules import beta1_at, beta2_at
+from .sharding import bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, shard_info
 from .state import (
+    FLAG_M,
     MAGNITUDE_BITS,
     MOMENTUM_CODE_DEFAULTS,
     MOMENTUM_SHAPES,
+    SIGN_M,
     STEP,
     MomentumCode,
     check_loaded_state,
@@ -42,6 +45,8 @@ _OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads
 # Keys that torch adds to param groups: learning-rate schedulers, and ``param_names`` in an optimizer
 # built from ``named_parameters()`` (torch >= 2.6).
 _TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "param_names")
+# The packed bits of M (its signs, the magnitude flag): by rows of the parameter in FSDP2 checkpoints.
+_BIT_KEYS = frozenset({SIGN_M, FLAG_M})
 
 
 def _validate_group(group: dict[str, Any]) -> None:
@@ -420,6 +425,55 @@ class SMMF(Optimizer):
             zero_nonfinite=group["nonfinite_grads"] == "zero",
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """As torch's, except the packed bits of FSDP2 shards: by rows of the parameter, placed like it
+        (:func:`smmf.sharding.bits_for_checkpoint`), so ``torch.distributed.checkpoint`` loads them on
+        any number of ranks."""
+        state_dict = super().state_dict()
+        states = state_dict["state"] = dict(state_dict["state"])  # the entries stay the live state's
+        for param, pid in self._saved_params(state_dict):
+            if pid in states and has_rows_layout(param):
+                states[pid] = {key: bits_for_checkpoint(value, param) if key in _BIT_KEYS else value
+                               for key, value in states[pid].items()}
+        return state_dict
+
+    def _saved_params(self, state_dict: dict[str, Any]) -> Iterable[tuple[Tensor, Any]]:
+        """Each param with its id in ``state_dict`` (groups and their params in order)."""
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups") or []):
+            yield from zip(group["params"], saved.get("params", []) if isinstance(saved, dict) else [])
+
+    def _bits_in_memory_layout(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the bits saved by rows (:meth:`state_dict`) in this optimizer's own
+        layout: this rank's elements of a shard, the flat packing of a whole tensor. A shard's bits in
+        the per-rank layout of smmf 0.2 load only on the number of ranks that wrote them."""
+        states = state_dict.get("state")
+        if not isinstance(states, dict):
+            return state_dict  # _check_loadable says what is wrong
+        converted = dict(states)
+        for param, pid in self._saved_params(state_dict):
+            entry = states.get(pid)
+            if not isinstance(entry, dict):
+                continue
+            info = shard_info(param)
+            for key in _BIT_KEYS & entry.keys():
+                value = entry[key]
+                if not isinstance(value, Tensor):
+                    continue
+                if value.dim() == 2:
+                    try:
+                        value = bits_from_checkpoint(value, param)
+                    except ValueError as err:
+                        raise ValueError(f"parameter {pid}: state '{key}': {err}") from None
+                    converted[pid] = {**converted[pid], key: value}
+                elif info is not None and info.sharded and value.numel() != info.sign_bytes * info.world:
+                    raise ValueError(
+                        f"parameter {pid}: state '{key}' holds {value.numel()} bytes of bits laid out per rank "
+                        f"(a checkpoint of smmf 0.2) for another number of ranks than these {info.world}: load it "
+                        "on the number of ranks that saved it and save it again with this version, whose "
+                        "checkpoints load on any number of ranks"
+                    )
+        return {**state_dict, "state": converted}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint whole or not at all, keeping fp32 factors and uint8 signs.
 
@@ -435,6 +489,7 @@ class SMMF(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = self._bits_in_memory_layout(state_dict)
         param_of = self._check_loadable(state_dict)
         kept = [{key: group[key] for key in _OPTIONAL_KEYS} for group in self.param_groups]
         # torch's loader, without the hooks: they run here, around our restore.

@@ -7,8 +7,9 @@ every rank) and the sign bits of its own elements (``Shard(0)``, padded to the s
 every rank). One step sums each rank's partial row and column sums with one all-reduce, so the
 factors, and therefore the update, are the single-device ones whatever the world size.
 
-Checkpoints go through ``torch.distributed.checkpoint`` with these placements; the sign bits are
-laid out per rank, so a checkpoint resumes on the same number of ranks.
+In a checkpoint the bits take a layout of their own (:func:`bits_for_checkpoint`): one row of bytes
+per row of the parameter, placed ``Shard(0)`` like it, so ``torch.distributed.checkpoint`` reshards
+them with the parameter and a checkpoint saved on N ranks loads on any number (one process too).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .matrix import packed_sign_bytes
+from .matrix import pack_signs, packed_sign_bytes, unpack_signs
 
 
 def is_dtensor(t: object) -> bool:
@@ -76,3 +77,65 @@ def as_state(local: Tensor, info: ShardInfo, sharded: bool) -> Tensor:
 def local(t: Tensor) -> Tensor:
     """This rank's tensor of a DTensor; a plain tensor as it is."""
     return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _rows_geometry(param: Tensor) -> tuple[int, int, int]:
+    """Rows of the parameter (dim 0), elements per row, and bytes per row of packed bits."""
+    rows = param.shape[0] if param.dim() else 1
+    inner = param.numel() // rows if rows else 0
+    return rows, inner, packed_sign_bytes(inner)
+
+
+def has_rows_layout(param: Tensor) -> bool:
+    """Whether ``param``'s bits go to checkpoints by rows: FSDP2 shards of a non-empty tensor."""
+    info = shard_info(param)
+    return info is not None and info.sharded and param.numel() > 0
+
+
+def _pack_rows(bits: Tensor, row_bytes: int) -> Tensor:
+    """Boolean (rows, inner) → uint8 (rows, row_bytes), each row packed from its own first byte."""
+    padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, row_bytes * 8 - bits.shape[1]))
+    return pack_signs(padded.bool()).view(bits.shape[0], row_bytes)
+
+
+def bits_for_checkpoint(bits: Tensor, param: Tensor) -> Tensor:
+    """A shard's packed bits (its elements from its start, padded per rank) as its rows of a
+    (param rows, bytes per row) uint8 DTensor placed ``Shard(0)`` like the param: the same global
+    tensor whatever the number of ranks."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    info = shard_info(param)
+    assert info is not None and info.sharded
+    rows, inner, row_bytes = _rows_geometry(param)
+    flat = unpack_signs(local(bits), info.numel).view(info.numel // inner, inner)
+    return DTensor.from_local(_pack_rows(flat, row_bytes), info.mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size([rows, row_bytes]), stride=(row_bytes, 1))
+
+
+def bits_from_checkpoint(saved: Tensor, param: Tensor) -> Tensor:
+    """Inverse of :func:`bits_for_checkpoint`, to the in-memory layout of ``param``'s state: this
+    rank's bits for a shard (from a DTensor placed like the param, or the whole rows of a full
+    state dict), the flat packing for a plain tensor. ``ValueError`` for what is not that layout."""
+    rows, inner, row_bytes = _rows_geometry(param)
+    if tuple(saved.shape) != (rows, row_bytes) or saved.dtype != torch.uint8:
+        raise ValueError(f"packed bits by rows of a parameter of shape {tuple(param.shape)} are uint8 of shape "
+                         f"{(rows, row_bytes)}, not {saved.dtype} of shape {tuple(saved.shape)}")
+    info = shard_info(param)
+    if info is None or not info.sharded:
+        whole = pack_signs(_unpack_rows(local(saved), inner)).to(param.device if info is None else local(param).device)
+        return whole if info is None else as_state(whole, info, sharded=False)
+    here = local(saved) if is_dtensor(saved) else saved[info.start // inner : (info.start + info.numel) // inner]
+    if here.shape[0] * inner != info.numel:
+        raise ValueError(f"the packed bits hold {here.shape[0]} rows of this rank's shard, which has "
+                         f"{info.numel // inner}")
+    packed = pack_signs(_unpack_rows(here, inner))
+    piece = packed.new_zeros(info.sign_bytes)
+    piece[: packed.numel()] = packed
+    return as_state(piece.to(local(param).device), info, sharded=True)
+
+
+def _unpack_rows(packed_rows: Tensor, inner: int) -> Tensor:
+    """uint8 (rows, row_bytes) → the flat boolean bits of its rows' first ``inner`` elements."""
+    count, row_bytes = packed_rows.shape
+    bits = unpack_signs(packed_rows.contiguous(), packed_rows.numel() * 8).view(count, row_bytes * 8)
+    return bits[:, :inner].reshape(-1)
