@@ -1,0 +1,149 @@
+"""The launchers users train with, run for real through their examples: the Hugging Face Trainer (torchrun),
+Accelerate (``accelerate launch``) and Lightning (torchrun), each in 2 processes on CPU over gloo. Each trains, saves
+at step 3, resumes into fresh objects and must equal its uninterrupted run bit for bit (fp32, same ranks, same
+order of operations); Lightning's FSDP1 strategy must be refused by SMMF."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out: Path, launcher: str, script: str, *flags: str) -> dict:
+    """Run ``examples/<script>`` in 2 processes; what its rank 0 wrote with ``--params``."""
+    port = str(_free_port())
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", port]
+    else:  # accelerate launch; --multi_gpu picks its torchrun launcher, the script asks for the CPU itself
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", port]
+    cmd += [str(ROOT / "examples" / script), "--out", str(out / "out"), "--params", str(out / "params.pt"), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers
+        output, _ = proc.communicate()
+        pytest.fail(f"{script} {flags} did not finish in 300 s:\n{output[-6000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
+    return torch.load(out / "params.pt") | {"out": out / "out"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """``run(launcher, script, *flags)``: each launch once per module (two tests share some)."""
+    results: dict[tuple[str, ...], dict] = {}
+
+    def launched(launcher: str, script: str, *flags: str) -> dict:
+        key = (launcher, script, *flags)
+        if key not in results:
+            results[key] = _launch(tmp_path_factory.mktemp("launch"), *key)
+        return results[key]
+
+    return launched
+
+
+def _assert_resumes_exactly(result: dict) -> None:
+    assert result["resumed_steps"] == 3  # the resumed run did steps 4 to 6 only
+    assert len(result["straight"]) == len(result["resumed"]) > 0
+    for straight, resumed in zip(result["straight"], result["resumed"]):
+        assert torch.equal(straight, resumed)
+
+
+# ---- Hugging Face Trainer (FSDP2 through fsdp_config, SMMF through optimizer_cls_and_kwargs) ----
+
+def test_hf_trainer_fsdp2_resumes_exactly(run) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    # On CPU Accelerate does not select FSDP: --fsdp-on-cpu sets its state to FSDP after the Trainer made it.
+    result = run("torchrun", "hf_trainer_fsdp2.py", "--fsdp-on-cpu")
+    assert result["distributed_type"] == "DistributedType.FSDP"
+    assert result["model"].startswith("FSDP") and result["params"] == ["DTensor"]  # sharded by fully_shard
+    assert (result["wrapper"], result["optimizer"]) == ("AcceleratedOptimizer", "SMMF")
+    assert result["scheduler"] == "LambdaLR"  # the Trainer's own (linear decay)
+    assert "optimizer.bin" in result["checkpoint"]  # FSDP2's full optimizer state dict (the Trainer's default)
+    assert result["losses"][-1] < result["losses"][0]
+    _assert_resumes_exactly(result)
+
+
+def test_hf_trainer_fsdp_config_on_cpu_trains_with_ddp(run) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    result = run("torchrun", "hf_trainer_fsdp2.py")
+    assert result["distributed_type"] == "DistributedType.MULTI_CPU"  # the FSDP plugin left unused
+    assert result["model"] == "DistributedDataParallel" and result["params"] == ["Parameter"]
+    assert (result["wrapper"], result["optimizer"]) == ("AcceleratedOptimizer", "SMMF")
+    _assert_resumes_exactly(result)
+    sharded = run("torchrun", "hf_trainer_fsdp2.py", "--fsdp-on-cpu")
+    for p, q in zip(result["straight"], sharded["straight"]):  # the same training, summed in another order
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
+# ---- Accelerate (FullyShardedDataParallelPlugin(fsdp_version=2), save_state / load_state) ----
+
+def test_accelerate_fsdp2_plugin_save_load_state_resumes_exactly(run) -> None:
+    pytest.importorskip("accelerate")
+    result = run("accelerate", "accelerate_fsdp2.py", "--fsdp-on-cpu")
+    assert result["distributed_type"] == "DistributedType.FSDP"
+    assert result["model"] == "FSDPNet" and result["params"] == ["DTensor"]
+    assert (result["wrapper"], result["optimizer"]) == ("AcceleratedOptimizer", "SMMF")
+    assert {"optimizer_0", "pytorch_model_fsdp_0", "scheduler.bin"} <= set(result["checkpoint"])  # DCP folders
+    # The wrapped scheduler steps once per process for each step (Accelerate's default): 12 steps after 6.
+    assert result["lr"] == pytest.approx(1e-2 / (1 + 0.1 * 2 * 6))
+    _assert_resumes_exactly(result)
+
+
+def test_accelerate_fsdp2_plugin_on_cpu_trains_with_ddp(run) -> None:
+    pytest.importorskip("accelerate")
+    result = run("accelerate", "accelerate_fsdp2.py")
+    assert result["distributed_type"] == "DistributedType.MULTI_CPU"  # the plugin left unused
+    assert result["model"] == "DistributedDataParallel" and result["params"] == ["Parameter"]
+    assert (result["wrapper"], result["optimizer"]) == ("AcceleratedOptimizer", "SMMF")
+    assert "optimizer.bin" in result["checkpoint"]
+    _assert_resumes_exactly(result)
+    sharded = run("accelerate", "accelerate_fsdp2.py", "--fsdp-on-cpu")
+    for p, q in zip(result["straight"], sharded["straight"]):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+# ---- Lightning (ModelParallelStrategy with fully_shard in configure_model; FSDPStrategy refused) ----
+
+def test_lightning_model_parallel_fsdp2_resumes_exactly(run) -> None:
+    pytest.importorskip("lightning")
+    import torch.distributed.checkpoint as dcp
+
+    result = run("torchrun", "lightning_fsdp2.py")
+    assert result["optimizer"] == "SMMF" and result["params"] == ["DTensor"]
+    _assert_resumes_exactly(result)
+    # The checkpoint is a DCP folder holding SMMF's state (its sign bits among it).
+    keys = dcp.FileSystemReader(str(result["out"] / "step3.ckpt")).read_metadata().state_dict_metadata
+    assert any(key.startswith("optimizer_0.state.") and key.endswith(".sign_m") for key in keys)
+
+
+def test_lightning_fsdp1_strategy_is_refused(run) -> None:
+    pytest.importorskip("lightning")
+    result = run("torchrun", "lightning_fsdp2.py")  # the same launch: the example tries FSDPStrategy last
+    assert result["fsdp1_error"] is not None
+    assert "flattened by FSDP1" in result["fsdp1_error"] and "fully_shard" in result["fsdp1_error"]
