@@ -7,6 +7,7 @@ import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -228,10 +229,12 @@ def _micro_batches(step: int, rank: int, world: int, k: int):
 
 
 def _train_accumulating(model: nn.Module, opt: SMMF, steps: range, rank: int, world: int, k: int,
-                        in_backward: bool) -> None:
+                        in_backward: bool, clip: Optional[float] = None) -> int:
     """k micro-batches per step, gradient sync on the last only: switched by the loop (the ordinary
-    one) or by ``step_in_backward``'s hooks."""
+    one) or by ``step_in_backward``'s hooks; the ordinary loop clips each gradient to ``clip``
+    (``step_in_backward`` is given it). How many gradients the ordinary loop clipped."""
     ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    clipped = 0
     for step in steps:
         for micro, (x, tokens, y) in enumerate(_micro_batches(step, rank, world, k)):
             last = micro == k - 1
@@ -240,8 +243,11 @@ def _train_accumulating(model: nn.Module, opt: SMMF, steps: range, rank: int, wo
             context = model.no_sync() if ddp and not in_backward and not last else nullcontext()
             with context:
                 nn.functional.mse_loss(model(x, tokens), y).backward()
+        if clip is not None and not in_backward:
+            clipped += sum(int(nn.utils.clip_grad_norm_([p], clip) > clip) for p in model.parameters())
         opt.step()
         opt.zero_grad()
+    return clipped
 
 
 def _full(t):
@@ -259,9 +265,9 @@ def _accumulating_run(kind: str, world: int, options: dict, k: int, in_backward:
     from smmf import step_in_backward
 
     model = nn.parallel.DistributedDataParallel(make_net()) if kind == "ddp" else _sharded_net(world)
-    opt = optimizer(model.parameters(), **options)
+    opt = optimizer(model.parameters(), **{key: value for key, value in options.items() if key != "clip"})
     if in_backward:  # "fsdp2 alone": without the module, FSDP2 syncs every micro-batch
-        step_in_backward(opt, k, module=None if kind == "fsdp2 alone" else model)
+        step_in_backward(opt, k, module=None if kind == "fsdp2 alone" else model, clip_grad_norm=options.get("clip"))
     if load is not None:
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
@@ -279,7 +285,8 @@ def _snapshot(model: nn.Module, opt: SMMF) -> dict:
 
 def step_in_backward_worker(rank: int, world: int, port: int, out: str, kind: str, options: dict, k: int) -> None:
     """The ordinary DDP / FSDP2 loop against ``step_in_backward(module=...)``: params and state after
-    STEPS steps, then each one's checkpoint continued two steps by the other."""
+    STEPS steps, then each one's checkpoint continued two steps by the other. ``options`` are SMMF's,
+    and ``clip``: per-tensor gradient clipping."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -287,15 +294,15 @@ def step_in_backward_worker(rank: int, world: int, port: int, out: str, kind: st
     runs, checkpoints, results = {}, {}, {}
     for in_backward in (False, True):
         model, opt = runs[in_backward] = _accumulating_run(kind, world, options, k, in_backward)
-        _train_accumulating(model, opt, range(STEPS), rank, world, k, in_backward)
-        results[in_backward] = _snapshot(model, opt)
+        clipped = _train_accumulating(model, opt, range(STEPS), rank, world, k, in_backward, options.get("clip"))
+        results[in_backward] = _snapshot(model, opt) | {"clipped": clipped}
         checkpoints[in_backward] = Path(out) / f"dcp-{in_backward}"
         model_sd, optim_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoints[in_backward])
     for in_backward in (False, True):  # each continued by itself and from the other's checkpoint
         for model, opt in (runs[in_backward],
                            _accumulating_run(kind, world, options, k, in_backward, checkpoints[not in_backward])):
-            _train_accumulating(model, opt, range(STEPS, STEPS + 2), rank, world, k, in_backward)
+            _train_accumulating(model, opt, range(STEPS, STEPS + 2), rank, world, k, in_backward, options.get("clip"))
             results.setdefault("continued", []).append(_snapshot(model, opt)["params"])
     if rank == 0:
         torch.save(results, Path(out) / "in_backward.pt")

@@ -102,9 +102,11 @@ IN_BACKWARD = [
     ("fsdp2", 3, 2, {}),
     ("fsdp2", 3, 1, dict(momentum_shape="natural")),
     ("fsdp2 alone", 2, 2, {}),
+    ("fsdp2", 3, 2, dict(clip=0.01)),  # per-tensor clipping: the whole tensor's norm, from its shards
     ("ddp", 2, 2, FSDP2_OPTIONS["flag"]),
     ("ddp", 3, 1, {}),
     ("ddp", 3, 2, dict(momentum_shape="natural")),
+    ("ddp", 2, 2, dict(clip=0.01)),
 ]
 
 
@@ -117,6 +119,7 @@ def test_step_in_backward_matches_the_ordinary_loop(tmp_path, kind: str, world: 
              nprocs=world, join=True)
     result = torch.load(tmp_path / "in_backward.pt")
     ordinary, inside = result[False], result[True]
+    assert ordinary["clipped"] > 0 if "clip" in options else ordinary["clipped"] == 0
     start = dist_workers.make_net()
     for p_ordinary, p_inside, p0 in zip(ordinary["params"], inside["params"], start.parameters()):
         assert not torch.equal(p_ordinary, p0.detach())  # it trained

@@ -478,3 +478,30 @@ def test_a_failure_of_the_step_that_closes_a_window_is_refused_until_reset() -> 
     assert_unchanged(opt, list(lin.parameters()), before)
     handle.reset()
     assert emb.weight.grad is None
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_per_tensor_clipping_equals_clipping_each_gradient_before_the_step(k: int) -> None:
+    """What can be offered instead of global-norm clipping: each tensor's own norm, on the window's gradient."""
+    ordinary, inside = _cnn(), _cnn()
+    opt_ordinary, opt_inside = SMMF(ordinary.parameters(), lr=1e-2), SMMF(inside.parameters(), lr=1e-2)
+    step_in_backward(opt_inside, k, clip_grad_norm=0.05)
+    clipped = 0
+    for step in range(3):
+        for micro in range(k):
+            _loss(ordinary, step * k + micro).backward()
+            _loss(inside, step * k + micro).backward()
+        for p in ordinary.parameters():
+            clipped += int(torch.nn.utils.clip_grad_norm_([p], 0.05) > 0.05)
+        opt_ordinary.step()
+        opt_ordinary.zero_grad()
+    assert clipped > 0  # the clip did act
+    assert _same(ordinary, inside)
+
+
+def test_clip_grad_norm_is_validated() -> None:
+    opt = SMMF(_cnn().parameters())
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="clip_grad_norm should be a finite number > 0"):
+            step_in_backward(opt, clip_grad_norm=bad)  # type: ignore[arg-type]
+    assert opt._step_in_backward is None

@@ -24,6 +24,7 @@ What "the same as the ordinary loop" takes, and how it is kept:
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import weakref
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 
 from .backward_ranks import ModuleSync, is_ddp, is_fsdp2, managed_elsewhere
 from .optimizer import SMMF
-from .sharding import is_dtensor
+from .sharding import is_dtensor, local, shard_info
 from .state import LAYOUT_OPTIONS, check_state_fits, init_state
 
 __all__ = ["step_in_backward", "StepInBackward"]
@@ -98,9 +99,11 @@ class StepInBackward:
     """The hooks :func:`step_in_backward` registered: :meth:`remove` restores the ordinary loop,
     :meth:`reset` discards a window a failed backward left open."""
 
-    def __init__(self, optimizer: SMMF, accumulation_steps: int, module: Optional[nn.Module] = None) -> None:
+    def __init__(self, optimizer: SMMF, accumulation_steps: int, module: Optional[nn.Module] = None,
+                 clip_grad_norm: Optional[float] = None) -> None:
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
+        self.clip_grad_norm = clip_grad_norm
         self._lock = threading.RLock()  # CPU and CUDA params' hooks (and DDP's futures) fire on other threads
         self._handles: dict[Tensor, Any] = {}
         self._micro = 0  # backwards completed in the current window
@@ -197,6 +200,10 @@ class StepInBackward:
     def step_now(self, params: list[Tensor], grads: Optional[list[Tensor]] = None) -> None:
         """Step ``params`` (with ``grads`` in place of their ``.grad``), then free their ``.grad``."""
         with self._lock:
+            if self.clip_grad_norm is not None:
+                for param, grad in zip(params, grads if grads is not None else [p.grad for p in params]):
+                    if grad is not None:
+                        clip_tensor_norm_(param, grad, self.clip_grad_norm)
             self.optimizer.step_params([(self._group_of(p), p) for p in params], grads)
             if grads is None:
                 for param in params:
@@ -289,18 +296,31 @@ class StepInBackward:
             self._micro = 0
             # What the hooks left: params this micro-batch did not reach, and those deferred by reentrancy.
             elsewhere = managed_elsewhere(self._sync)
-            left = [(group, p) for group in self.optimizer.param_groups for p in group["params"]
+            left = [p for group in self.optimizer.param_groups for p in group["params"]
                     if p.grad is not None and p not in elsewhere]
             try:
-                self.optimizer.step_params(left)
+                self.step_now(left)
             except BaseException:
                 self._failed = True  # their gradients stay for reset() to drop
                 raise
-            for _, param in left:
-                param.grad = None
 
 
-def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optional[nn.Module] = None) -> StepInBackward:
+def clip_tensor_norm_(param: Tensor, grad: Tensor, max_norm: float) -> None:
+    """Scale ``grad`` in place to an L2 norm of at most ``max_norm``, as ``clip_grad_norm_`` does for
+    this one tensor: the norm of the whole tensor (an FSDP2 shard's squares summed across its ranks)."""
+    info = shard_info(param)
+    piece = local(grad)
+    if info is not None and info.sharded:
+        squares = torch.linalg.vector_norm(piece, 2).pow(2)
+        torch.distributed.all_reduce(squares, group=info.mesh.get_group())
+        norm = squares.sqrt()
+    else:
+        norm = torch.linalg.vector_norm(piece, 2)
+    piece.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
+def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optional[nn.Module] = None,
+                     clip_grad_norm: Optional[float] = None) -> StepInBackward:
     """Run ``optimizer``'s step for each parameter inside backward, and free its gradient.
 
     ``accumulation_steps=k`` accumulates k backward passes (micro-batches) and steps during the k-th;
@@ -315,12 +335,16 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
     shard is stepped when its reduce-scatter is done, with or without ``module``; given it, the first
     k−1 micro-batches of a window run without gradient sync (do not switch sync yourself then).
 
+    ``clip_grad_norm``: clip each parameter's gradient to this L2 norm before its step, as
+    ``torch.nn.utils.clip_grad_norm_([param], clip_grad_norm)`` would (per tensor, the whole tensor's
+    norm across ranks), on the window's accumulated gradient. Clipping by the global norm cannot work
+    here: that norm is known only once every gradient exists.
+
     After a backward that raised, call ``reset()`` on the returned handle before the next one: it
     discards the unfinished window (parameters the failed backward had stepped stay stepped).
 
     What cannot work, and fails or is refused: global-norm gradient clipping (the norm is not known
-    until every gradient exists; clip inside your loss, or per parameter with a hook of your own
-    registered first); ``torch.amp.GradScaler`` (the step would run on scaled gradients before the
+    until every gradient exists; clip per tensor with ``clip_grad_norm``); ``torch.amp.GradScaler`` (the step would run on scaled gradients before the
     scaler could check them; ``scaler.step`` then fails with its "No inf checks were recorded"
     error); plain parameters reduced across ranks without ``module`` (the step would see this rank's
     gradient before the all-reduce: refused while a process group of more than one rank exists);
@@ -330,6 +354,9 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
         raise TypeError(f"step_in_backward takes an smmf.SMMF optimizer, not {type(optimizer).__name__}")
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps should be an int >= 1 but is: {accumulation_steps!r}")
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and not isinstance(clip_grad_norm, bool)
+                                           and 0 < clip_grad_norm < math.inf):
+        raise ValueError(f"clip_grad_norm should be a finite number > 0 or None but is: {clip_grad_norm!r}")
     if module is not None and not (is_ddp(module) or is_fsdp2(module)):
         raise TypeError("module should be the DistributedDataParallel or FSDP2 (fully_shard) model that reduces the "
                         f"gradients, not {type(module).__name__}")
@@ -347,6 +374,6 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
             "step_in_backward is already installed on this optimizer; call remove() on its handle before "
             "installing it again"
         )
-    handle = StepInBackward(optimizer, accumulation_steps, module)
+    handle = StepInBackward(optimizer, accumulation_steps, module, float(clip_grad_norm) if clip_grad_norm else None)
     optimizer._step_in_backward = handle
     return handle
