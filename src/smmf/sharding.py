@@ -15,6 +15,7 @@ them with the parameter and a checkpoint saved on N ranks loads on any number (o
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,14 +39,35 @@ class ShardInfo:
     sharded: bool  # False: every rank holds the whole tensor (Replicate)
 
 
+# shard_info of each live DTensor by id (a tensor cannot key a WeakKeyDictionary: its == is elementwise),
+# with what it was computed from: torch's local-shape computation costs about a millisecond on CPU,
+# and each step asks twice per parameter.
+_INFO: dict[int, tuple["weakref.ref[Tensor]", Any, ShardInfo]] = {}
+
+
 def shard_info(param: Tensor) -> Optional[ShardInfo]:
     """Where this rank's piece of a DTensor parameter lies; None for a plain tensor."""
     if not is_dtensor(param):
         return None
-    from torch.distributed.tensor import Replicate, Shard
-
     dtensor: Any = param  # DTensor attributes are not on torch.Tensor's type
     mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
+    key = (tuple(param.shape), placements, id(mesh))
+    known = _INFO.get(id(param))
+    if known is not None and known[0]() is param and known[1] == key:
+        return known[2]
+    info = _shard_info(param, mesh, placements)
+    ident = id(param)
+
+    def forget(_: object) -> None:
+        _INFO.pop(ident, None)
+
+    _INFO[ident] = (weakref.ref(param, forget), key, info)
+    return info
+
+
+def _shard_info(param: Tensor, mesh: Any, placements: tuple[Any, ...]) -> ShardInfo:
+    from torch.distributed.tensor import Replicate, Shard
+
     if mesh.ndim != 1 or not (placements == (Shard(0),) or placements == (Replicate(),)):
         raise RuntimeError(
             f"SMMF supports DTensor parameters on a 1-D mesh placed Shard(0) or Replicate(), got {placements} "
