@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import pytest
@@ -70,6 +71,20 @@ def test_cli_quick_run_writes_all_outputs(tmp_path) -> None:
     smmf = next(r for r in data["results"] if r["optimizer"] == "smmf")
     assert smmf["kwargs"]["decay_rate"] == "-0.8"
     assert all(len(r["losses"]) == 6 for r in data["results"])
+
+
+def test_jobs_run_side_by_side_and_keep_the_order() -> None:
+    from smmf.bench.compare import run
+
+    kwargs = dict(tasks=["digits-cnn"], optimizers=["adam", "smmf", "sm3"], steps=4, seed=0,
+                  device=torch.device("cpu"), opt_args=[], quick=True, show_progress=False)
+    one, two = run(**kwargs), run(**kwargs, jobs=2)
+    assert [r["optimizer"] for r in two] == [r["optimizer"] for r in one] == ["adam", "smmf", "sm3"]
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert all(r["threads"] == threads for r in two) and all(r["threads"] is None for r in one)
+    for a, b in zip(one, two):  # the same training; matmuls on fewer threads may sum in another order
+        assert len(a["losses"]) == len(b["losses"]) == 4
+        assert a["losses"][0] == pytest.approx(b["losses"][0], rel=1e-5)
 
 
 def test_compare_reports_mean_and_spread_over_seeds() -> None:

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,6 +35,9 @@ from .progress import progress
 from .storage import optimizer_state_bytes
 from ..table import format_table
 from .tasks import DEFAULT_TASKS, PRETRAIN_STEPS, TASKS, Task, cache_root, make_task
+
+
+DEFAULT_JOBS = 1
 
 
 def warmup_cosine(steps: int, warmup: int):
@@ -224,11 +228,15 @@ def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device)
 
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,
         opt_args: list[str], quick: bool, show_progress: bool = True, seeds: int = 1, cache: Optional[str] = None,
-        pretrain_steps: Optional[int] = None) -> list[dict[str, Any]]:
+        pretrain_steps: Optional[int] = None, jobs: int = 1) -> list[dict[str, Any]]:
     """Every (task, optimizer, seed) run, each in a fresh process (see :func:`train_in_fresh_process`);
     seeds ``seed .. seed + seeds - 1``. An optimizer whose package is missing gets one skipped entry
-    per task (and a note on stderr) instead of runs. ``cache`` and ``pretrain_steps`` are finetune-lm's."""
-    results = []
+    per task (and a note on stderr) instead of runs. ``cache`` and ``pretrain_steps`` are finetune-lm's.
+    ``jobs``: runs at a time on CPU, each with an equal share of the cores (a line per finished run
+    then stands in for the progress bars)."""
+    results: list[Any] = []
+    pool = ThreadPoolExecutor(max_workers=jobs) if jobs > 1 else None
+    threads = max(1, (os.cpu_count() or 1) // jobs) if pool is not None else None
     skipped = {name: why for name in optimizers if (why := missing_package(optimizer_specs("cnn")[name]))}
     for name, why in skipped.items():
         print(f"{PROG}: skipping {name}: {why}", file=sys.stderr, flush=True)
@@ -247,11 +255,25 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
             for run_seed in range(seed, seed + seeds):
                 job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
                            steps=n_steps, eval_every=eval_every, seed=run_seed, device=str(device),
-                           progress=show_progress, cache=cache, pretrain_steps=pretrain_steps)
-                started = time.perf_counter()
-                result = train_in_fresh_process(job)
-                results.append({**result, "seed": run_seed, "wall_s": time.perf_counter() - started})
+                           progress=show_progress and pool is None, cache=cache, pretrain_steps=pretrain_steps,
+                           threads=threads)
+                if pool is None:
+                    results.append(_timed_run(job))
+                else:
+                    results.append(pool.submit(_timed_run, job, show_progress))
+    if pool is not None:
+        with pool:
+            results = [r if isinstance(r, dict) else r.result() for r in results]
     return results
+
+
+def _timed_run(job: dict[str, Any], announce: bool = False) -> dict[str, Any]:
+    started = time.perf_counter()
+    result = train_in_fresh_process(job)
+    result = {**result, "seed": job["seed"], "wall_s": time.perf_counter() - started, "threads": job["threads"]}
+    if announce:
+        print(f"{job['task']} {result['label']} (seed {job['seed']}): {result['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    return result
 
 
 def train_in_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
@@ -260,10 +282,12 @@ def train_in_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
     blocks of 128 KiB and more by mmap from the start (so the heap holds no large free chunk to reuse)
     until the peak has been read; see ``PEAK_STEPS``."""
     return run_child("smmf.bench.compare", ["--child", json.dumps(job)], f"the {job['optimizer']} run on {job['task']}",
-                     PINNED_MMAP_THRESHOLD, show_stderr=True)
+                     PINNED_MMAP_THRESHOLD, show_stderr=True, threads=job.get("threads"))
 
 
 def _child(job: dict[str, Any]) -> None:
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
     device = torch.device(job["device"])
     task = make_task(job["task"], job.get("cache"), job.get("pretrain_steps"), str(device))
     _warm_up(task, [job["optimizer"]], job["seed"], device)
@@ -301,6 +325,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                                         "else $XDG_CACHE_HOME/smmf or ~/.cache/smmf)")
     parser.add_argument("--pretrain-steps", type=int,
                         help=f"finetune-lm: AdamW steps of its pretraining on stdlib-lm (default {PRETRAIN_STEPS})")
+    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
+                        help="runs at a time, each in its own process with an equal share of the CPU cores "
+                             f"(default: {DEFAULT_JOBS}; 1 on CUDA)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
@@ -318,6 +345,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
         writable_dir(PROG, "--cache", str(cache_root(args.cache)))
     if args.seeds < 1:
         fail(PROG, f"--seeds must be at least 1, got {args.seeds}")
+    if args.jobs < 1:
+        fail(PROG, f"--jobs must be at least 1, got {args.jobs}")
     cuda_or_fail(PROG, args.device)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -348,13 +377,14 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     tasks, optimizers, device, _, out = check_args(args)
     started = time.time()
     results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds,
-                  cache=args.cache, pretrain_steps=args.pretrain_steps)
+                  cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=1 if device.type == "cuda" else args.jobs)
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),
         "code": _code_version(),
         "machine": _machine(device),
         "seconds": time.time() - started,
         "seeds": list(range(args.seed, args.seed + args.seeds)),
+        "jobs": args.jobs,
     }
     write_outputs(results, meta, out)
     headers, rows = summary_rows(results)
@@ -382,6 +412,8 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
             f"--out {args.out}"]
     if args.seeds != 1:
         echo.insert(3, f"--seeds {args.seeds}")
+    if args.jobs != DEFAULT_JOBS:
+        echo.append(f"--jobs {args.jobs}")
     if args.steps:
         echo.append(f"--steps {args.steps}")
     if args.quick:

@@ -18,14 +18,17 @@ RESULT = "SMMF-CHILD-RESULT "
 
 
 def run_child(module: str, args: list[str], what: str, mmap_threshold: Optional[int] = None,
-              show_stderr: bool = False) -> Any:
+              show_stderr: bool = False, threads: Optional[int] = None) -> Any:
     """``python -m module *args`` in a fresh process; the result it gave :func:`report`.
 
     ``show_stderr`` lets the child's progress bars through; otherwise the last line of its stderr
-    goes into the error raised when it fails."""
+    goes into the error raised when it fails. ``threads``: the CPU threads of torch (OpenMP) and numba
+    in the child."""
     env = dict(os.environ)
     if mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(threads)
     out = subprocess.run([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
                          stderr=None if show_stderr else subprocess.PIPE, text=True, env=env, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
