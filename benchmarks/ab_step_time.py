@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from worktrees import checked_out
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
@@ -58,29 +60,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = {}
-        for name in (args.before, args.after):
-            tree = Path(tmp) / name.replace("/", "_")
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), name], check=True)
-            trees[name] = tree
-        try:
-            for tree in trees.values():
-                _time(tree, 1)  # compile and cache the kernels
-            medians: dict[str, list[float]] = {name: [] for name in trees}
-            order = list(trees.items())
-            for round_ in range(1, args.rounds + 1):
-                # ABBA: the second process of a round runs slower here (~3%), so the order alternates
-                for name, tree in order if round_ % 2 else order[::-1]:
-                    medians[name].append(_time(tree, args.steps))
-                print(f"round {round_}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()))
-            summary = {name: statistics.median(m) for name, m in medians.items()}
-            print(", ".join(f"{n}: median {s * 1e3:.1f} ms, best {min(medians[n]) * 1e3:.1f} ms"
-                            for n, s in summary.items()))
-            print(f"{args.after} / {args.before}: {summary[args.after] / summary[args.before]:.3f}")
-        finally:
-            for tree in trees.values():
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    with tempfile.TemporaryDirectory() as tmp, checked_out([args.before, args.after], Path(tmp)) as trees:
+        for tree in trees.values():
+            _time(tree, 1)  # compile and cache the kernels
+        medians: dict[str, list[float]] = {name: [] for name in trees}
+        order = list(trees.items())
+        for round_ in range(1, args.rounds + 1):
+            # ABBA: the second process of a round runs slower here (~3%), so the order alternates
+            for name, tree in order if round_ % 2 else order[::-1]:
+                medians[name].append(_time(tree, args.steps))
+            print(f"round {round_}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()))
+        summary = {name: statistics.median(m) for name, m in medians.items()}
+        print(", ".join(f"{n}: median {s * 1e3:.1f} ms, best {min(medians[n]) * 1e3:.1f} ms"
+                        for n, s in summary.items()))
+        print(f"{args.after} / {args.before}: {summary[args.after] / summary[args.before]:.3f}")
     return 0
 
 
