@@ -21,7 +21,6 @@ from pathlib import Path
 
 from worktrees import checked_out
 
-ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, statistics, sys, time
