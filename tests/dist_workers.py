@@ -234,7 +234,7 @@ def _train_accumulating(model: nn.Module, opt: SMMF, steps: range, rank: int, wo
     one) or by ``step_in_backward``'s hooks; the ordinary loop clips each gradient to ``clip``
     (``step_in_backward`` is given it). How many gradients the ordinary loop clipped."""
     ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-    clipped = 0
+    clipped = 0  # (also "ddp shared": another optimizer holds some of the module's params)
     for step in steps:
         for micro, (x, tokens, y) in enumerate(_micro_batches(step, rank, world, k)):
             last = micro == k - 1
@@ -247,6 +247,9 @@ def _train_accumulating(model: nn.Module, opt: SMMF, steps: range, rank: int, wo
             clipped += sum(int(nn.utils.clip_grad_norm_([p], clip) > clip) for p in model.parameters())
         opt.step()
         opt.zero_grad()
+        if hasattr(opt, "partner"):  # it steps on the module's averaged gradients, whatever SMMF does
+            opt.partner.step()
+            opt.partner.zero_grad()
     return clipped
 
 
@@ -264,8 +267,14 @@ def _accumulating_run(kind: str, world: int, options: dict, k: int, in_backward:
 
     from smmf import step_in_backward
 
-    model = nn.parallel.DistributedDataParallel(make_net()) if kind == "ddp" else _sharded_net(world)
-    opt = optimizer(model.parameters(), **{key: value for key, value in options.items() if key != "clip"})
+    model = nn.parallel.DistributedDataParallel(make_net()) if kind.startswith("ddp") else _sharded_net(world)
+    params = list(model.parameters())
+    if kind == "ddp shared":  # the last layer with another optimizer, stepped in the loop
+        head = list(model.module.fc2.parameters())
+        params = [p for p in params if all(p is not q for q in head)]
+    opt = optimizer(params, **{key: value for key, value in options.items() if key != "clip"})
+    if kind == "ddp shared":
+        opt.partner = torch.optim.SGD(head, lr=0.05)
     if in_backward:  # "fsdp2 alone": without the module, FSDP2 syncs every micro-batch
         step_in_backward(opt, k, module=None if kind == "fsdp2 alone" else model, clip_grad_norm=options.get("clip"))
     if load is not None:
@@ -279,7 +288,7 @@ def _accumulating_run(kind: str, world: int, options: dict, k: int, in_backward:
 def _snapshot(model: nn.Module, opt: SMMF) -> dict:
     params = list(model.parameters())
     return {"params": [_full(p) for p in params],
-            "state": [{key: _full(value) for key, value in opt.state[p].items()} for p in params],
+            "state": [{key: _full(value) for key, value in opt.state.get(p, {}).items()} for p in params],
             "grads": [None if p.grad is None else _full(p.grad) for p in params]}
 
 

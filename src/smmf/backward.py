@@ -115,9 +115,14 @@ class StepInBackward:
         self._reentrant_open: dict[int, weakref.ref[_EndOfReentrant]] = {}  # by graph task id
         self._groups: tuple[tuple[int, ...], dict[Tensor, dict[str, Any]]] = ((), {})
         self._layouts: dict[int, tuple[Any, ...]] = {}  # each group's layout options at the last backward
-        self._sync = ModuleSync(self, module) if module is not None else None
-        for group in optimizer.param_groups:
-            self.attach(group["params"])
+        params = {p for group in optimizer.param_groups for p in group["params"]}
+        self._sync = ModuleSync(self, module, params) if module is not None else None
+        try:
+            for group in optimizer.param_groups:
+                self.attach(group["params"])
+        except BaseException:
+            self.remove()  # DDP keeps its communication hook: unhooked, it averages as DDP's own
+            raise
 
     @property
     def active(self) -> bool:
@@ -192,10 +197,6 @@ class StepInBackward:
                 return
             self.step_now([param])
             self._stepped.add(param)
-
-    def window_closes(self) -> bool:
-        """Whether the running backward is the last of its accumulation window."""
-        return self._micro + 1 >= self.accumulation_steps
 
     def step_now(self, params: list[Tensor], grads: Optional[list[Tensor]] = None) -> None:
         """Step ``params`` (with ``grads`` in place of their ``.grad``), then free their ``.grad``."""
@@ -369,6 +370,15 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
             "otherwise see this rank's gradient before the all-reduce. Pass module=<your DistributedDataParallel "
             "model>, or use the ordinary optimizer.step()."
         )
+    if module is not None and multi_rank:
+        in_module = set(module.parameters())
+        outside = [p for p in params if p not in in_module and not is_dtensor(p)]
+        if outside:
+            raise RuntimeError(
+                f"{len(outside)} of the optimizer's parameters are not in the module given to step_in_backward: their "
+                "step would see this rank's gradient before any all-reduce. Give the optimizer only the module's "
+                "parameters, or use the ordinary optimizer.step()."
+            )
     if optimizer._step_in_backward is not None:
         raise RuntimeError(
             "step_in_backward is already installed on this optimizer; call remove() on its handle before "

@@ -48,11 +48,15 @@ def is_fsdp2(module: nn.Module) -> bool:
 class ModuleSync:
     """The hooks on a DDP or FSDP2 ``module`` of one :class:`~smmf.backward.StepInBackward`."""
 
-    def __init__(self, handle: StepInBackward, module: nn.Module) -> None:
+    def __init__(self, handle: StepInBackward, module: nn.Module, params: set[Tensor]) -> None:
         self.handle, self.module = handle, module
         self.ddp = is_ddp(module)
-        # Params whose step the DDP communication hook takes (their .grad holds this rank's gradient).
-        self.bucketed: set[Tensor] = set(module.parameters()) if self.ddp else set()
+        # The optimizer's params whose step the DDP communication hook takes (their .grad holds this
+        # rank's gradient); the module's other params (another optimizer's) keep DDP's averaged gradient.
+        self.bucketed: set[Tensor] = {p for p in module.parameters() if p in params} if self.ddp else set()
+        # Whether the backward of the last forward syncs, and so closes the window: decided at that
+        # forward (DDP may all-reduce in its own end-of-backward callback, after the count has moved on).
+        self.closes = handle.accumulation_steps == 1
         if self.ddp:  # first: DDP refuses a second communication hook, before anything else is hooked
             ddp: Any = module
             # (A lambda: DDP checks the hook's annotations against the classes, not the strings ours are.)
@@ -71,6 +75,7 @@ class ModuleSync:
     def _set_sync(self, module: Any, args: Any) -> None:
         handle = self.handle
         sync = not handle.active or handle._micro + 1 >= handle.accumulation_steps
+        self.closes = sync
         if self.ddp:
             module.require_backward_grad_sync = sync
         else:
@@ -89,18 +94,23 @@ class ModuleSync:
         buffer.div_(dist.get_world_size(group))  # DDP's own averaging: divide, then sum
         reduced = dist.all_reduce(buffer, group=group, async_op=True)
         assert reduced is not None
-        with self.handle._lock:  # now, in backward: the future may complete after the backward's end is counted
-            closes = self.handle.window_closes()
+        closes = self.closes and self.handle.active
         return reduced.get_future().then(lambda done: self._step_bucket(bucket, done.value()[0], closes))
 
     def _step_bucket(self, bucket: dist.GradBucket, reduced: Tensor, closes: bool) -> Tensor:
         with self.handle._lock:  # the future may complete on another thread than autograd's
-            params = [p for p in bucket.parameters() if p in self.bucketed and p.grad is not None]
-            if not params or not closes:
+            grads = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
+                     if p in self.bucketed and p.grad is not None]
+            if not grads or not closes:
                 return reduced  # DDP writes the averaged gradients into .grad, as without the hook
-            grads = dict(zip(map(id, bucket.parameters()), bucket.gradients()))
-            self.handle.step_now(params, [grads[id(p)] for p in params])
-            return reduced.zero_()
+            try:
+                self.handle.step_now([p for p, _ in grads], [g for _, g in grads])
+            except BaseException:
+                self.handle._failed = True  # the next backward refuses until reset()
+                raise
+            for _, grad in grads:  # views of the bucket: only the stepped params' gradients become zeros
+                grad.zero_()
+            return reduced
 
 
 def managed_elsewhere(sync: Optional[ModuleSync]) -> set[Tensor]:
