@@ -17,7 +17,7 @@ LAYERS = [
     {"kernels", "kernels.contract", "kernels.numba_cpu", "kernels.triton_gpu"},
     {"distributed"},
     {"dispatch"},
-    {"optimizer", "backward"},
+    {"optimizer", "backward", "backward_ranks"},
     {"memory", "integrations", "__init__"},
     {"cli", "bench"},
 ]

@@ -236,7 +236,7 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
     then stands in for the progress bars)."""
     results: list[Any] = []
     pool = ThreadPoolExecutor(max_workers=jobs) if jobs > 1 else None
-    threads = max(1, (os.cpu_count() or 1) // jobs) if pool is not None else None
+    threads = max(1, _cores() // jobs) if pool is not None else None
     skipped = {name: why for name in optimizers if (why := missing_package(optimizer_specs("cnn")[name]))}
     for name, why in skipped.items():
         print(f"{PROG}: skipping {name}: {why}", file=sys.stderr, flush=True)
@@ -265,6 +265,11 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
         with pool:
             results = [r if isinstance(r, dict) else r.result() for r in results]
     return results
+
+
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _timed_run(job: dict[str, Any], announce: bool = False) -> dict[str, Any]:
@@ -376,15 +381,16 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         return 0
     tasks, optimizers, device, _, out = check_args(args)
     started = time.time()
+    jobs = 1 if device.type == "cuda" else args.jobs
     results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds,
-                  cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=1 if device.type == "cuda" else args.jobs)
+                  cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=jobs)
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),
         "code": _code_version(),
         "machine": _machine(device),
         "seconds": time.time() - started,
         "seeds": list(range(args.seed, args.seed + args.seeds)),
-        "jobs": args.jobs,
+        "jobs": jobs,
     }
     write_outputs(results, meta, out)
     headers, rows = summary_rows(results)
