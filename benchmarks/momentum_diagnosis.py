@@ -106,6 +106,9 @@ VARIANTS: dict[str, tuple[str, Config]] = {
                      replace(PAPER, m_code="rank1-residual", m_shape="natural", block=64)),
     "block-mean-32-bc": ("M: sign + bf16 mean abs(M) per 32, + bias correction",
                          replace(PAPER, m_code="block-mean", block=32, bias_correction=True)),
+    "levels3-128-decoupled-wd": ("M: sign + 3-bit linear level + bf16 max per 128, decoupled weight decay",
+                                 replace(PAPER, m_code="block-levels", block=128, level_bits=3,
+                                         weight_decay_mode="adamw")),
     "levels3log-128-bc": ("M: 3-bit log level per 128, + bias correction",
                           replace(PAPER, m_code="block-levels", block=128, level_bits=3, levels="log",
                                   bias_correction=True)),
@@ -308,11 +311,13 @@ def smmf_kwargs(kind: str) -> dict[str, Any]:
     return dict(optimizer_specs(kind)["smmf"].kwargs)
 
 
-def build_optimizer(name: str, params: Any, kind: str) -> torch.optim.Optimizer:
+def build_optimizer(name: str, params: Any, kind: str, lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    """The optimizer ``name`` with its ``smmf compare`` hyperparameters, its learning rate times ``lr_scale``."""
     if name in REFERENCES:
         spec = optimizer_specs(kind)[name]
-        return spec.build(params, **spec.kwargs)
-    return SMMFVariant(params, VARIANTS[name][1], **smmf_kwargs(kind))
+        return spec.build(params, **{**spec.kwargs, "lr": spec.kwargs["lr"] * lr_scale})
+    kwargs = smmf_kwargs(kind)
+    return SMMFVariant(params, VARIANTS[name][1], **{**kwargs, "lr": kwargs["lr"] * lr_scale})
 
 
 # --------------------------------------------------------------------------- training (as ``smmf compare``)
@@ -336,12 +341,13 @@ RATIO_METRIC = {"digits-cnn": "test_loss"}
 Step = tuple[int, float, nn.Module, torch.optim.Optimizer]
 
 
-def training(task: Task, name: str, steps: int, seed: int, device: torch.device) -> Iterator[Step]:
+def training(task: Task, name: str, steps: int, seed: int, device: torch.device,
+             lr_scale: float = 1.0) -> Iterator[Step]:
     """``smmf.bench.compare.train_one``'s loop (model, batches, warmup + cosine schedule over ``steps``) with
     one of this study's optimizers: yields (step, training loss, model, optimizer) after each step."""
     model = task.build_model(seed).to(device)
     model.train()
-    optimizer = build_optimizer(name, model.parameters(), task.kind)
+    optimizer = build_optimizer(name, model.parameters(), task.kind, lr_scale)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, min(100, max(1, steps // 10))))
     batches = task.batches(seed, device)
     for step in range(1, steps + 1):
@@ -353,12 +359,13 @@ def training(task: Task, name: str, steps: int, seed: int, device: torch.device)
         yield step, loss.item(), model, optimizer
 
 
-def train(task: Task, name: str, steps: int, seed: int, device: torch.device) -> dict[str, Any]:
+def train(task: Task, name: str, steps: int, seed: int, device: torch.device,
+          lr_scale: float = 1.0) -> dict[str, Any]:
     """One run, evaluated every ``steps // 20`` steps as ``smmf compare`` does; no timing."""
     eval_every = max(1, steps // 20)
     losses: list[float] = []
     evals: list[dict[str, float]] = []
-    for step, loss, model, _ in training(task, name, steps, seed, device):
+    for step, loss, model, _ in training(task, name, steps, seed, device, lr_scale):
         losses.append(loss)
         if not math.isfinite(loss):
             break
@@ -367,7 +374,7 @@ def train(task: Task, name: str, steps: int, seed: int, device: torch.device) ->
             evals.append({"step": step, **task.evaluate(model, device), **extra})
     bits = 32.0 if name in REFERENCES else m_bits_per_param(model.parameters(), VARIANTS[name][1])
     return {"task": task.name, "variant": name, "seed": seed, "steps": steps, "metric": task.metric,
-            "higher_is_better": task.higher_is_better, "m_bits_per_param": bits, "losses": losses, "evals": evals,
+            "higher_is_better": task.higher_is_better, "lr_scale": lr_scale, "m_bits_per_param": bits, "losses": losses, "evals": evals,
             "diverged": len(losses) < steps,
             "config": asdict(VARIANTS[name][1]) if name in VARIANTS else None}
 

@@ -1,0 +1,127 @@
+"""Confirm a code of M on a task that was not used to choose it: 3 seeds, the same 3-point lr sweep for every
+optimizer, each at its best learning rate.
+
+The code (``levels3-128``: sign + 3-bit level + a bf16 max per 128 elements of a row) and its settings were chosen
+on ``pydoc-lm`` and ``digits-cnn`` (``docs/momentum-diagnosis.md``). The held-out task, declared before it was
+run, is ``stdlib-lm-small``: the ``pydoc-lm`` model (a 4-layer, 128-wide byte-level GPT-2, context 128, batches of
+32) trained from scratch for 400 steps on the ``.py`` files of the interpreter's standard library (``stdlib-lm``'s
+corpus and file split; loss on 128 windows of the held-out files) — code instead of English prose.
+
+Every optimizer gets the transformer hyperparameters of ``smmf compare`` (weight decay 1e-2; decoupled for AdamW,
+the candidate and its bound), its learning rate times 0.3, 1 and 3 (3e-4, 1e-3, 3e-3), and the same warmup +
+cosine schedule. Runs are the study tool's (``benchmarks/momentum_diagnosis.py``), whose ``levels3-128`` code is
+tied to ``smmf.SMMF(magnitude_bits=3)`` by ``tests/test_momentum_diagnosis.py``.
+
+    python benchmarks/confirm_code.py --shard 0/2 &  python benchmarks/confirm_code.py --shard 1/2  # two processes
+    python benchmarks/confirm_code.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from momentum_diagnosis import POINTS, code_version, metric_at, train
+from smmf.bench.tasks import ByteGPT, Task, stdlib_lm_task
+from smmf.table import format_table
+
+CANDIDATE = "levels3-128-decoupled-wd"
+BOUND = "dense-m-decoupled-wd"  # the candidate with a dense fp32 M: what no code of M can beat
+# The essential rows first, the paper's SMMF last (a run cut short still has what the verdict needs).
+OPTIMIZERS = ("adamw", BOUND, CANDIDATE, "smmf")
+LR_SCALES = (0.3, 1.0, 3.0)
+SEEDS = (0, 1, 2)
+STEPS = 400
+
+
+def held_out_task() -> Task:
+    small = ByteGPT(n_layer=4, n_embd=128, n_head=4, context=128, batch=32)
+    return replace(stdlib_lm_task(small, STEPS), name="stdlib-lm-small")
+
+
+def plan() -> list[tuple[str, float, int]]:
+    """(optimizer, lr scale, seed) of every run, in the order they are run."""
+    essential = [(name, scale, seed) for seed in SEEDS for scale in LR_SCALES for name in OPTIMIZERS[:-1]]
+    return essential + [(OPTIMIZERS[-1], scale, seed) for seed in SEEDS for scale in LR_SCALES]
+
+
+def run_path(out: Path, name: str, scale: float, seed: int) -> Path:
+    return out / "runs" / f"{name}__lr{scale:g}__seed{seed}.json"
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, sd
+
+
+def report(runs: list[dict[str, Any]]) -> str:
+    """Markdown: every (optimizer, lr) over its seeds, then each optimizer at its best lr with ratios."""
+    by: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault((r["variant"], r["lr_scale"]), []).append(r)
+    head = ["optimizer", "lr ×", "seeds"] + [f"held-out loss @{int(f * 100)}%" for f in POINTS]
+    rows = []
+    for (name, scale), group in sorted(by.items(), key=lambda kv: (OPTIMIZERS.index(kv[0][0]), kv[0][1])):
+        cells = ["{:.4f} ± {:.4f}".format(*_stats([metric_at(r, f) for r in group])) for f in POINTS]
+        rows.append([f"`{name}`", f"{scale:g}", ",".join(str(r["seed"]) for r in group), *cells])
+    out = ["All runs (mean ± standard deviation over the seeds):\n\n" + format_table(head, rows, "markdown")]
+    best: dict[str, list[dict[str, Any]]] = {}
+    for name in OPTIMIZERS:  # best lr: the lowest mean final loss among the lrs run on every seed
+        complete = [g for (n, _), g in by.items() if n == name and len(g) == len(SEEDS)]
+        if complete:
+            best[name] = min(complete, key=lambda g: _stats([metric_at(r, 1.0) for r in g])[0])
+    head = (["optimizer", "best lr ×"] + [f"@{int(f * 100)}%" for f in POINTS] + ["worst seed @25%"]
+            + [f"÷ {ref} @{int(f * 100)}%" for ref in ("dense-M bound", "AdamW") for f in POINTS])
+    rows = []
+    for name, group in best.items():
+        means = [_stats([metric_at(r, f) for r in group])[0] for f in POINTS]
+        ratios = []
+        for ref in (BOUND, "adamw"):
+            ref_means = [_stats([metric_at(r, f) for r in best[ref]])[0] for f in POINTS] if ref in best else None
+            ratios += [f"{m / rm:.3f}" if ref_means else "–" for m, rm in zip(means, ref_means or means)]
+        rows.append([f"`{name}`", f"{group[0]['lr_scale']:g}", *[f"{m:.4f}" for m in means],
+                     f"{max(metric_at(r, 0.25) for r in group):.4f}", *ratios])
+    out.append("Each optimizer at its best learning rate (means over the seeds; ratios of those means):\n\n"
+               + format_table(head, rows, "markdown"))
+    return "\n\n".join(out) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="docs/code-confirmation")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th run of the plan, from the i-th")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--report", action="store_true", help="only rewrite results.md from OUT/runs")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        index, count = (int(x) for x in args.shard.split("/"))
+        task = held_out_task()
+        for name, scale, seed in plan()[index::count]:
+            path = run_path(out, name, scale, seed)
+            if path.exists():
+                continue
+            result = {**train(task, name, STEPS, seed, torch.device("cpu"), scale), "code": code_version()}
+            path.write_text(json.dumps(result))
+            print(f"{name} lr×{scale:g} seed {seed}: " + ", ".join(f"{metric_at(result, f):.4f}" for f in POINTS),
+                  flush=True)
+    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    command = "python benchmarks/confirm_code.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = f"Command: `{command}` (every shard), then `--report`  \nCode: commit {code_version()}\n\n" + report(runs)
+    (out / "results.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
