@@ -562,6 +562,8 @@ CHECKS: dict[str, tuple[str, dict[str, Any]]] = {
     "natural-flag": ("smmf.SMMF", dict(momentum_shape="natural", magnitude_bits=1)),
     "square-flag": ("smmf.SMMF", dict(magnitude_bits=1)),
     "no-m": ("smmf.SMMF", dict(beta=None)),
+    "levels3-128": ("smmf.SMMF", dict(magnitude_bits=3)),
+    "levels3-128-decoupled-wd": ("smmf.SMMF", dict(magnitude_bits=3, weight_decay_mode="adamw")),
     "adam-equiv": ("torch.optim.Adam", {}),
 }
 

@@ -50,6 +50,11 @@ def reconstruct_state(opt: SMMF, p: Tensor) -> tuple[Tensor | None, Tensor]:
     if "exp_avg_sq" in st:
         return st.get("exp_avg"), st["exp_avg_sq"]
     v = torch.outer(st["row_v"], st["col_v"])
+    if "codes_m" in st:  # magnitude_bits=3: M by rows of the param
+        from smmf.levels import decode_levels
+
+        rows = st["codes_m"].shape[0]
+        return decode_levels(st["codes_m"], st["scales_m"], v.numel() // max(rows, 1), v.dtype), v
     if "row_m" not in st:
         return None, v
     magnitude = torch.outer(st["row_m"], st["col_m"])  # M's own n×m view

@@ -34,6 +34,24 @@ def reference_nnmf_reconstruct(a: Tensor) -> Tensor:
     return r @ (c / total)
 
 
+def reference_levels(m: Tensor, block: int = 128) -> Tensor:
+    """M̂ of the block-levels code, element by element: each block of ``block`` elements of a row has the
+    scale max |M| (NaN as 0, at most bf16's largest) rounded to bf16; each element the level j/7 of it
+    nearest to |M| (ties up), with M's sign."""
+    bf16_max = torch.finfo(torch.bfloat16).max
+    out = torch.zeros_like(m)
+    for i in range(m.shape[0]):
+        for b0 in range(0, m.shape[1], block):
+            part = [float(x) for x in m[i, b0 : b0 + block]]
+            top = min(max((0.0 if math.isnan(x) else abs(x)) for x in part), bf16_max)
+            scale = float(torch.tensor(top, dtype=torch.float32).to(torch.bfloat16))
+            for k, x in enumerate(part):
+                level = 0 if scale == 0 or math.isnan(x) else min(7, math.floor(abs(x) / scale * 7 + 0.5))
+                value = torch.tensor(level, dtype=m.dtype) / 7 * scale
+                out[i, b0 + k] = -value if x < 0 else value
+    return out
+
+
 @dataclass
 class ReferenceState:
     step: int = 0
@@ -55,7 +73,8 @@ class ReferenceSMMF:
     weight_decay_mode: str = "adamw"
     maximize: bool = False
     momentum_shape: str = "square"  # beyond the paper: "natural" = (dim 0, the rest) for M of ≥2-D tensors
-    magnitude_bits: int = 0  # beyond the paper: 1 = a flag [|M| > r cᵀ] and two least-squares levels
+    magnitude_bits: int = 0  # beyond the paper: 1 = a flag [|M| > r cᵀ] and two least-squares levels;
+    # 3 = by rows of the param, a sign and one of 8 levels j/7 of a bf16 max per 128 elements of a row
     state: dict[int, ReferenceState] = field(default_factory=dict)
 
     def matrix_shape(self, p: Tensor) -> tuple[int, ...]:
@@ -64,12 +83,18 @@ class ReferenceSMMF:
         return reference_shape(p.numel())
 
     def momentum_shape_of(self, p: Tensor) -> tuple[int, ...]:
+        if self.magnitude_bits == 3:  # rows of the param; a vector is one row
+            if p.dim() < 2:
+                return 1, p.numel()
+            return (p.shape[0], p.numel() // p.shape[0]) if p.shape[0] else (0, 0)
         if self.momentum_shape == "natural" and p.dim() >= 2 and p.numel() > 0:
             return p.shape[0], p.numel() // p.shape[0]
         return self.matrix_shape(p)
 
     def encode_momentum(self, m: Tensor) -> Tensor:
         """M̂ = S ⊙ r cᵀ, or with the flag S ⊙ r cᵀ ⊙ (h where |M| > r cᵀ, else l)."""
+        if self.magnitude_bits == 3:
+            return reference_levels(m)
         a = m.abs()
         r = reference_nnmf_reconstruct(a)
         if self.magnitude_bits:

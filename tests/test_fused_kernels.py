@@ -26,6 +26,9 @@ CONFIGS = {
     # The magnitude flag (two passes in the numba kernel; Triton encodes against new factors from a first kernel).
     "natural-shape-and-flag": dict(momentum_shape="natural", magnitude_bits=1, weight_decay=0.1),
     "flag-adam-l2": dict(magnitude_bits=1, weight_decay=0.01, weight_decay_mode="adam", maximize=True),
+    # The levels code: M by rows of the param in blocks of 128 (600 columns: a short last block; 33: odd).
+    "levels": dict(magnitude_bits=3, weight_decay=0.1),
+    "levels-adam-l2": dict(magnitude_bits=3, weight_decay=0.01, weight_decay_mode="adam", maximize=True),
 }
 SHAPES = [*ZOO_SHAPES, (768,), (64, 3, 7, 7), (257, 33), (129, 600), (96, 40)]
 FROZEN_AFTER = 10  # the last shape gets no gradient from this step on (a frozen param mid-run)

@@ -1,4 +1,5 @@
-"""Beyond the paper, opt-in: M in the tensor's natural shape, and the 1-bit magnitude flag.
+"""Beyond the paper, opt-in: M in the tensor's natural shape, the 1-bit magnitude flag, and the block-levels
+code (``magnitude_bits=3``).
 
 The math is checked against the dense reference in test_reference_parity.py; here: the options'
 contract (validation, state layout and size, checkpoints).
@@ -17,6 +18,7 @@ from smmf import SMMF
 from smmf.memory import predict_state_bytes, state_bytes
 
 NATURAL_FLAG = dict(momentum_shape="natural", magnitude_bits=1)
+LEVELS = dict(magnitude_bits=3)
 
 
 def _model() -> torch.nn.Module:
@@ -37,7 +39,7 @@ def _train(opt: SMMF, model: torch.nn.Module, steps: int, seed: int = 0) -> None
     "options, match",
     [
         (dict(momentum_shape="cube"), "Unknown momentum_shape: 'cube'"),
-        (dict(magnitude_bits=2), r"magnitude_bits should be one of \[0, 1\] but is: 2"),
+        (dict(magnitude_bits=2), r"magnitude_bits should be one of \[0, 1, 3\] but is: 2"),
         (dict(magnitude_bits=True), "magnitude_bits should be one of"),
         (dict(magnitude_bits="1"), "magnitude_bits should be one of"),
     ],
@@ -61,8 +63,8 @@ def test_layout_natural_rows_are_dim_0_and_vectors_stay_square() -> None:
     assert (opt.state[linear]["row_m"].numel(), opt.state[linear]["col_m"].numel()) == (10, 288)
 
 
-@pytest.mark.parametrize("options", [dict(), dict(momentum_shape="natural"), dict(magnitude_bits=1), NATURAL_FLAG],
-                         ids=["paper", "natural", "flag", "natural+flag"])
+@pytest.mark.parametrize("options", [dict(), dict(momentum_shape="natural"), dict(magnitude_bits=1), NATURAL_FLAG,
+                                     LEVELS], ids=["paper", "natural", "flag", "natural+flag", "levels"])
 def test_state_is_the_predicted_size(options: dict) -> None:
     model = _model()
     opt = SMMF(model.parameters(), **options)
@@ -97,15 +99,16 @@ def test_flag_decodes_what_was_encoded() -> None:
     assert (m_hat - m).norm() < (torch.sign(m) * r - m).norm()
 
 
-def test_checkpoint_resumes_bit_identically_with_both_options() -> None:
+@pytest.mark.parametrize("options", [NATURAL_FLAG, LEVELS], ids=["natural+flag", "levels"])
+def test_checkpoint_resumes_bit_identically(options: dict) -> None:
     model = _model()
-    opt = SMMF(model.parameters(), **NATURAL_FLAG)
+    opt = SMMF(model.parameters(), **options)
     _train(opt, model, 3)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     _train(opt, model, 3, seed=1)
     resumed = _model()
     resumed.load_state_dict(saved_model)
-    again = SMMF(resumed.parameters(), **NATURAL_FLAG)
+    again = SMMF(resumed.parameters(), **options)
     again.load_state_dict(saved_opt)
     _train(again, resumed, 3, seed=1)
     for a, b in zip(model.parameters(), resumed.parameters()):
@@ -113,7 +116,8 @@ def test_checkpoint_resumes_bit_identically_with_both_options() -> None:
 
 
 @pytest.mark.parametrize("written, loading", [(dict(), NATURAL_FLAG), (NATURAL_FLAG, dict()),
-                                              (dict(momentum_shape="natural"), dict(magnitude_bits=1))])
+                                              (dict(momentum_shape="natural"), dict(magnitude_bits=1)),
+                                              (LEVELS, dict(magnitude_bits=1)), (dict(), LEVELS)])
 def test_checkpoint_written_with_other_options_is_a_clear_error(written: dict, loading: dict) -> None:
     model = _model()
     opt = SMMF(model.parameters(), **written)
@@ -150,3 +154,72 @@ def test_groups_choose_their_own_code() -> None:
     _train(opt, model, 1)
     assert "flag_m" in opt.state[conv] and "flag_m" not in opt.state[linear]
     assert opt.state[linear]["row_m"].numel() == opt.state[linear]["row_v"].numel()  # square
+
+
+def test_levels_layout_and_bits_per_param() -> None:
+    """Rows of the param, two 4-bit codes per byte and a bf16 scale per 128 elements of a row: 4.125 bits
+    per parameter where rows are whole blocks; V stays square."""
+    model = _model()
+    opt = SMMF(model.parameters(), **LEVELS)
+    _train(opt, model, 1)
+    conv, conv_bias, linear, _ = model.parameters()
+    st = opt.state[conv]
+    assert set(st) == {"step", "codes_m", "scales_m", "row_v", "col_v"}
+    assert st["codes_m"].shape == (8, 14) and st["codes_m"].dtype == torch.uint8  # 27 columns: 14 bytes a row
+    assert st["scales_m"].shape == (8, 1) and st["scales_m"].dtype == torch.bfloat16
+    assert (st["row_v"].numel(), st["col_v"].numel()) == (18, 12)
+    assert opt.state[conv_bias]["codes_m"].shape == (1, 4)  # a vector is one row
+    assert opt.state[linear]["scales_m"].shape == (10, 3)  # 288 columns: blocks of 128, 128, 32
+    shapes = [(64, 256)]
+    m_bytes = predict_state_bytes(shapes, "smmf", **LEVELS) - 4 * (128 + 128)  # less V's factors (128×128)
+    assert m_bytes * 8 / (64 * 256) == 4.125
+
+
+def test_levels_decode_what_was_encoded() -> None:
+    """After the first step (M = (1−β1)·G) the stored code decodes to the reference's M̂; a row's blocks
+    have their own scales, zeros stay zero, and each element is within half a level of its block's max."""
+    from reference import reference_levels
+
+    p = torch.nn.Parameter(torch.zeros(3, 300, dtype=torch.float64))
+    g = torch.randn(3, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    g[1, 128:256] *= 100.0  # one block far larger than its neighbours
+    g[2, :128] = 0.0
+    p.grad = g
+    opt = SMMF([p], beta=0.9, growth_rate=None, **LEVELS)
+    opt.step()
+    m_hat, _ = reconstruct_state(opt, p)
+    m = 0.1 * g
+    torch.testing.assert_close(m_hat, reference_levels(m), rtol=0, atol=0)
+    assert torch.equal(m_hat[2, :128], torch.zeros(128, dtype=torch.float64))
+    # Each element within half a level (1/14 of its block's max) and bf16's rounding of the max.
+    for row in range(3):
+        for b0 in range(0, 300, 128):
+            block, got = m[row, b0 : b0 + 128], m_hat[row, b0 : b0 + 128]
+            assert (got - block).abs().max() <= block.abs().max() * (1 / 14 + 2**-8) + 1e-300
+
+
+def test_levels_code_stays_finite_and_zeroes_nan() -> None:
+    """NaN codes as 0 and ±inf as ± bf16's largest value: decoding a stored code never gives NaN/inf."""
+    from smmf.levels import SCALE_MAX, decode_levels, encode_levels
+
+    m = torch.tensor([[1.0, float("nan"), -2.0, float("inf")], [0.0, 0.0, 0.0, 0.0], [-float("inf"), 1.0, 3.0, 0.5]])
+    codes, scales = encode_levels(m)
+    got = decode_levels(codes, scales, 4, torch.float32)
+    assert got.isfinite().all()
+    assert got[0, 1] == 0 and got[0, 3] == SCALE_MAX and got[2, 0] == -SCALE_MAX
+    assert torch.equal(got[1], torch.zeros(4))
+    assert torch.equal(got[0, [0, 2]].abs(), torch.zeros(2))  # 1 and −2 are below half a level of bf16's largest
+    assert torch.equal(got[2, 1:].abs(), torch.zeros(3))  # in the block of −inf
+
+
+def test_levels_are_refused_for_dtensor_params() -> None:
+    """FSDP2 shards do not take the levels code yet: a clear error when the group is made."""
+    from smmf.state import refuse_sharded_levels
+
+    class DTensor(torch.Tensor):  # what smmf.sharding.is_dtensor recognises
+        def to_local(self) -> torch.Tensor:
+            return self
+
+    fake = torch.zeros(4, 4).as_subclass(DTensor)
+    with pytest.raises(RuntimeError, match="magnitude_bits=3 does not take DTensor"):
+        refuse_sharded_levels(fake)

@@ -17,8 +17,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from .levels import decode_levels, encode_levels
 from .matrix import factor_sum_cap, nnmf_from_sums, pack_signs, unpack_signs
 from .state import (
+    CODES_M,
     COL_M,
     COL_V,
     EXP_AVG,
@@ -27,6 +29,7 @@ from .state import (
     LEVELS_M,
     ROW_M,
     ROW_V,
+    SCALES_M,
     SIGN_M,
     MomentumCode,
     factor_dtype,
@@ -133,7 +136,16 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     # Decompress and update: V = β2·(r_V c_Vᵀ) + (1 − β2)·G²;  M = β1·(S ⊙ r_M c_Mᵀ) + (1 − β1)·G.
     v = torch.outer(state[ROW_V], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
     m = None
-    if cfg.beta1 is not None:
+    if cfg.code is MomentumCode.LEVELS:
+        # M by rows of the param; a sign and a level per element, a scale per block (smmf.levels).
+        codes, scales = state[CODES_M], state[SCALES_M]
+        m = decode_levels(codes, scales, g.numel() // max(codes.shape[0], 1), g.dtype)
+        m.mul_(cfg.beta1).add_(g.reshape(m.shape), alpha=1.0 - cfg.beta1)
+        new_codes, new_scales = encode_levels(m)
+        codes.copy_(new_codes)
+        scales.copy_(new_scales)
+        m = m.view(g.shape)
+    elif cfg.beta1 is not None:
         # M in its own n×m view (the same as V's but under momentum_shape="natural").
         m_shape = (state[ROW_M].numel(), state[COL_M].numel())
         m = decompress_momentum(state, cfg, state[ROW_M], lambda bits: unpack_signs(bits, g.numel()).view(m_shape))

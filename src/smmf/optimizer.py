@@ -28,6 +28,7 @@ from .state import (
     check_state_fits,
     init_state,
     momentum_code,
+    refuse_sharded_levels,
     state_layout,
 )
 
@@ -235,9 +236,11 @@ class SMMF(Optimizer):
             factors hold a per-unit magnitude. V stays square either way (default: ``"square"``).
         magnitude_bits: beyond the paper, opt-in. ``0``: |M| ≈ r cᵀ; ``1``: one more bit per element
             says whether |M| is above r cᵀ, and two per-tensor levels scale r cᵀ where it is / is not,
-            so that small momentum coordinates are no longer given their row's average (default: 0).
-            Both options cut an early-training stall on language models; see the README's "Beyond
-            the paper". Both fused kernels take both (the flag in two passes over the tensor).
+            so that small momentum coordinates are no longer given their row's average; ``3``: M is
+            coded by rows of the tensor, a sign and a 3-bit level per element and a bf16 scale per
+            128 elements (4.125 bits per parameter, :mod:`smmf.levels`; ``momentum_shape`` does not
+            apply; not for FSDP2 shards yet) (default: 0). See docs/beyond-the-paper.md for what
+            each buys; ``smmf.RECOMMENDED`` is the measured recommendation.
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
             params — FSDP2 shards included — each when installed; the
             torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
@@ -279,7 +282,7 @@ class SMMF(Optimizer):
         stochastic_rounding: bool = False,
         nonfinite_grads: Literal["zero", "propagate"] = "zero",
         momentum_shape: Literal["square", "natural"] = "square",
-        magnitude_bits: Literal[0, 1] = 0,
+        magnitude_bits: Literal[0, 1, 3] = 0,
         backend: Literal["auto", "torch", "numba", "triton"] = "auto",
     ) -> None:
         defaults: dict[str, Any] = dict(
@@ -310,6 +313,8 @@ class SMMF(Optimizer):
             for param in self.param_groups[-1]["params"]:
                 _reject_non_float(param)
                 _reject_flattened(param)
+                if momentum_code(param, self.param_groups[-1]) is MomentumCode.LEVELS:
+                    refuse_sharded_levels(param)
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise

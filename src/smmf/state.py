@@ -14,6 +14,7 @@ from typing import Any, Mapping, NamedTuple
 import torch
 from torch import Tensor
 
+from .levels import codes_shape, levels_shape, scales_shape
 from .matrix import packed_sign_bytes, square_matricize_shape
 from .sharding import as_state, is_dtensor, local, shard_info
 
@@ -23,10 +24,13 @@ ROW_V, COL_V = "row_v", "col_v"
 # The 1-bit magnitude flag of M (``magnitude_bits=1``): packed bits [|M| > r cᵀ], and the two
 # levels (high, low) that scale r cᵀ where the flag is set / clear.
 FLAG_M, LEVELS_M = "flag_m", "levels_m"
+# The block-levels code of M (``magnitude_bits=3``, :mod:`smmf.levels`): 4-bit codes, two per byte, and a
+# bf16 scale per block of a row.
+CODES_M, SCALES_M = "codes_m", "scales_m"
 MOMENTUM_SHAPES = ("square", "natural")
 # The group options that decide a state's layout (state_layout reads them; check_state_fits refuses a change).
 LAYOUT_OPTIONS = ("beta", "vector_reshape", "momentum_shape", "magnitude_bits")
-MAGNITUDE_BITS = (0, 1)
+MAGNITUDE_BITS = (0, 1, 3)
 # The options that decide M's code, at the paper's values: what a group (or a checkpoint) without them has.
 MOMENTUM_CODE_DEFAULTS: dict[str, Any] = {"momentum_shape": "square", "magnitude_bits": 0}
 
@@ -81,6 +85,7 @@ class MomentumCode(enum.Enum):
     NONE = "none"  # factored V, no first moment (beta=None)
     SIGN = "sign"  # the paper's: M's 1-bit signs and a rank-1 NNMF of |M|
     FLAG = "flag"  # SIGN plus a 1-bit magnitude flag and two levels (magnitude_bits=1)
+    LEVELS = "levels"  # a sign and a 3-bit level per element, a bf16 scale per block of a row (magnitude_bits=3)
 
 
 def momentum_code(param: Tensor, group: Mapping[str, Any]) -> MomentumCode:
@@ -89,7 +94,8 @@ def momentum_code(param: Tensor, group: Mapping[str, Any]) -> MomentumCode:
         return MomentumCode.DENSE
     if group["beta"] is None:
         return MomentumCode.NONE
-    return MomentumCode.FLAG if momentum_option(group, "magnitude_bits") == 1 else MomentumCode.SIGN
+    return {1: MomentumCode.FLAG, 3: MomentumCode.LEVELS}.get(momentum_option(group, "magnitude_bits"),
+                                                           MomentumCode.SIGN)
 
 
 def momentum_cols(state: Mapping[str, Any], cols: int) -> int:
@@ -106,7 +112,12 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
         return ({EXP_AVG: dense} if group["beta"] is not None else {}) | {EXP_AVG_SQ: dense}
     rows, cols = matrix_shape(param)
     layout: dict[str, TensorSpec] = {}
-    if code is not MomentumCode.NONE:
+    if code is MomentumCode.LEVELS:
+        refuse_sharded_levels(param)
+        m_rows, m_cols = levels_shape(tuple(real_view(param).shape))
+        layout[CODES_M] = TensorSpec(codes_shape(m_rows, m_cols), torch.uint8)
+        layout[SCALES_M] = TensorSpec(scales_shape(m_rows, m_cols), torch.bfloat16)
+    elif code is not MomentumCode.NONE:
         info = shard_info(param)
         m_rows, m_cols = momentum_matrix_shape(param, group)
         layout[ROW_M] = TensorSpec((m_rows,), dtype)
@@ -121,12 +132,23 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     return layout
 
 
+def refuse_sharded_levels(param: Tensor) -> None:
+    """The levels code (``magnitude_bits=3``) runs on whole tensors only, for now."""
+    if is_dtensor(param):
+        raise RuntimeError(
+            "magnitude_bits=3 does not take DTensor (FSDP2) parameters yet; use magnitude_bits=0 or 1 with FSDP2, "
+            "or DDP / one device for magnitude_bits=3"
+        )
+
+
 def _layout_keys(param: Tensor, group: Mapping[str, Any]) -> set[str]:
     """The keys of :func:`state_layout`, without its shapes (checked at every step: kept cheap)."""
     code = momentum_code(param, group)
     if code is MomentumCode.DENSE:
         return {EXP_AVG_SQ} | ({EXP_AVG} if group["beta"] is not None else set())
     keys = {ROW_V, COL_V}
+    if code is MomentumCode.LEVELS:
+        return keys | {CODES_M, SCALES_M}
     if code is not MomentumCode.NONE:
         keys |= {ROW_M, COL_M, SIGN_M}
     if code is MomentumCode.FLAG:
@@ -165,6 +187,8 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
     else:
         rows, cols = matrix_shape(param)
         got, need = (state[ROW_V].shape[0], state[COL_V].shape[0]), (rows, cols)
+        if got == need and CODES_M in state:  # the levels code's rows × cols
+            got, need = tuple(state[CODES_M].shape), state_layout(param, group)[CODES_M].shape
         if got == need and ROW_M in state:  # M's own view (natural shape) must fit too
             got, need = (state[ROW_M].shape[0], state[COL_M].shape[0]), momentum_matrix_shape(param, group)
             if got != need and any(got == momentum_matrix_shape(param, {**group, "momentum_shape": shape})
@@ -209,7 +233,7 @@ def check_loaded_state(
                 f"{tuple(param.shape)} needs {spec.shape}"
             )
         if spec.dtype == torch.uint8 and value.dtype != torch.uint8:
-            raise ValueError(f"{where}: state '{key}' holds packed sign bits and must be uint8, not {value.dtype}")
+            raise ValueError(f"{where}: state '{key}' holds packed bits and must be uint8, not {value.dtype}")
         if spec.dtype != torch.uint8 and not value.is_floating_point():
             raise ValueError(f"{where}: state '{key}' must be a floating-point tensor, not {value.dtype}")
     step = state[STEP]

@@ -43,16 +43,17 @@ class FlagPass(NamedTuple):
 @dataclass(frozen=True)
 class Coverage:
     """The params a fused backend takes: on ``device``, whose real view is one of ``dtypes``; complex
-    ones (as their real view) where ``complex_params`` (``sharded_complex`` for FSDP2 shards); every
-    code of M but the dense state, which only the torch path takes."""
+    ones (as their real view) where ``complex_params`` (``sharded_complex`` for FSDP2 shards); the
+    codes of M in ``codes`` (never the dense state, which only the torch path takes)."""
 
     device: str
     dtypes: frozenset[torch.dtype]
     complex_params: bool
     sharded_complex: bool
+    codes: frozenset[MomentumCode]
 
     def covers(self, param: Tensor, code: MomentumCode, sharded: bool) -> bool:
-        if code is MomentumCode.DENSE or param.device.type != self.device:
+        if code not in self.codes or code is MomentumCode.DENSE or param.device.type != self.device:
             return False
         if param.is_complex() and not (self.sharded_complex if sharded else self.complex_params):
             return False

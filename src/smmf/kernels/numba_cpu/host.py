@@ -14,10 +14,13 @@ from torch import Tensor
 
 from ...functional import StepConfig
 from ...matrix import factor_sum_cap
-from ...state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, MomentumCode, matrix_shape, momentum_cols
+from ...levels import levels_shape
+from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
+                      momentum_cols, real_view)
 from ..contract import FlagPass, StepItem
+from .levels import LEVELS_KERNELS, level_table, touched_v_rows
 from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_kernel
-from .structs import FlagArrays, FlagPasses, Geometry, Moments, Options, Scalars, Scratch
+from .structs import FlagArrays, FlagPasses, Geometry, LevelsGeometry, Moments, Options, Scalars, Scratch
 
 # numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
 # process when two threads enter parallel regions at once: parallel launches take turns. Each
@@ -116,6 +119,31 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     return int(scratch.bad_counts.sum()) if cfg.zero_nonfinite else 0
 
 
+def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
+    """The step of a whole tensor (``weight`` contiguous) under the levels code (``magnitude_bits=3``)."""
+    grad = grad.to(weight.dtype).contiguous()
+    n, m = state[ROW_V].numel(), state[COL_V].numel()
+    rows, cols = levels_shape(tuple(real_view(weight).shape))
+    parallel = n * m >= PARALLEL_MIN_NUMEL
+    rows_per_block = max(1, -(-rows // (4 * numba.get_num_threads()))) if parallel else rows
+    blocks = -(-rows // rows_per_block)
+    dtype = state[ROW_V].dtype
+    scalar = np.float64 if dtype == torch.float64 else np.float32
+    geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, rows_per_block=rows_per_block)
+    opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=True)
+    sc = Scalars._make(map(scalar, scalars(cfg, n * m, dtype)))
+    bad_counts = np.zeros(blocks, dtype=np.int64)
+    args = (_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(), state[SCALES_M].view(torch.int16).numpy(),
+            level_table(scalar), state[ROW_V].numpy(), state[COL_V].numpy(), np.empty((blocks, m), dtype=scalar),
+            np.empty((blocks, touched_v_rows(rows_per_block, cols, m)), dtype=scalar), bad_counts, geo, opts, sc)
+    if parallel:
+        with PARALLEL_LAUNCH:
+            LEVELS_KERNELS[True](*args)
+    else:
+        LEVELS_KERNELS[False](*args)
+    return int(bad_counts.sum()) if cfg.zero_nonfinite else 0
+
+
 def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
     """A tensor's step in a launch of its own (all but the small fp32 ones)."""
     rows, cols = matrix_shape(param)
@@ -123,7 +151,10 @@ def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConf
         return 0
     # The kernel walks the logical row-major order: strided tensors go through one copy.
     weight = param.detach() if param.is_contiguous() else param.detach().contiguous()
-    bad = launch(weight, grad, state, cfg, rows, cols, 0, rows * cols)
+    if cfg.code is MomentumCode.LEVELS:
+        bad = launch_levels(weight, grad, state, cfg)
+    else:
+        bad = launch(weight, grad, state, cfg, rows, cols, 0, rows * cols)
     if weight.data_ptr() != param.data_ptr():
         param.detach().copy_(weight)
     return bad
@@ -132,7 +163,7 @@ def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConf
 def takes_many(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
     """Small contiguous fp32 tensors: their step is mostly per-launch overhead, so they share one."""
     return (param.dtype == torch.float32 and 0 < param.numel() < PARALLEL_MIN_NUMEL and param.is_contiguous()
-            and state[ROW_V].dtype == torch.float32 and cfg.code is not MomentumCode.FLAG)
+            and state[ROW_V].dtype == torch.float32 and cfg.code not in (MomentumCode.FLAG, MomentumCode.LEVELS))
 
 
 def steps_(items: Sequence[StepItem]) -> int:

@@ -44,6 +44,17 @@ class Geometry(NamedTuple):
     hi: int
 
 
+class LevelsGeometry(NamedTuple):
+    """The levels code's step (``magnitude_bits=3``): V's n×m view, M's ``rows`` × ``cols`` one (rows of the
+    param), and blocks of ``rows_per_block`` of M's rows, one per thread at a time."""
+
+    n: int
+    m: int
+    rows: int
+    cols: int
+    rows_per_block: int
+
+
 class Options(NamedTuple):
     has_m: bool  # a first moment (beta is set)
     sr: bool  # stochastic rounding of bf16 weights

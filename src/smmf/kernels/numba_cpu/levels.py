@@ -1,0 +1,180 @@
+"""The block-levels code of M (``magnitude_bits=3``, :mod:`smmf.levels`) on CPU: one pass over M's rows.
+
+M is coded by rows of the param in blocks of 128 elements, and a block's new scale is its largest new |M|,
+so a block is walked twice, from L1: first every element's step (weight decay, the gradient, V from its
+factors, M from its stored code, V's row and column sums) with M, V and the decayed weight kept in
+block-sized buffers and the block's largest |M| found; then the codes written against the new scale and the
+weights stepped. Blocks of M's rows run on threads; each keeps its own V column sums and the sums of the V
+rows it touches (V's rows, in its square view, do not follow M's), added up after all have run. Each
+line is the counterpart of :func:`smmf.functional._factored_update` under ``MomentumCode.LEVELS``
+(tests/test_fused_kernels.py ties them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+
+from ...levels import BLOCK, NEGATIVE, SCALE_MAX, TOP_LEVEL
+from .access import load, store
+from .cache import FASTMATH, KERNEL_OPTIONS, cached_njit
+from .elements import capped, count_bad, element
+from .passes import _finish_cols
+
+_PASS: dict[str, Any] = dict(error_model="numpy", fastmath=FASTMATH)
+
+
+@numba.njit(inline="always")
+def touched_v_rows(rows_per_block, cols, m):
+    """At most this many rows of V's view hold elements of ``rows_per_block`` rows of M's (``cols`` each)."""
+    return (rows_per_block * cols + m - 1) // m + 1
+
+
+@numba.njit(inline="always")
+def scale_value(bits, one):
+    """A stored bf16 scale (its int16 bit pattern) in the work dtype (``one``'s)."""
+    word = np.empty(1, dtype=np.uint32)
+    word[0] = (np.uint32(bits) & np.uint32(0xFFFF)) << np.uint32(16)
+    return one * word.view(np.float32)[0]
+
+
+@numba.njit(inline="always")
+def scale_bits(top):
+    """The largest |M| of a block (finite, ≥ 0) rounded to bf16 through fp32, nearest even: its int16 bits."""
+    word = np.empty(1, dtype=np.float32)
+    word[0] = top
+    u = word.view(np.uint32)[0]
+    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.int16(np.int32(u >> np.uint32(16)) - (65536 if (u >> np.uint32(31)) else 0))
+
+
+def level_table(dtype: Any) -> np.ndarray:
+    """The numbers of the code in the work dtype, so that the kernel computes in it as the torch path does
+    (numba would widen an fp32 times a Python number to fp64): the level values j/7 for j = 0 .. 7, then
+    7 and 0.5."""
+    levels = np.arange(TOP_LEVEL + 1, dtype=dtype) / dtype(TOP_LEVEL)
+    return np.concatenate([levels, np.array([TOP_LEVEL, 0.5], dtype=dtype)])
+
+
+@numba.njit(inline="always")
+def level_of(a, scale, table):
+    """The level j of |M| = ``a`` against ``scale``: nearest of j/7 (ties up), 0 for NaN or a zero scale."""
+    if not scale > 0:
+        return 0
+    x = (a / scale) * table[TOP_LEVEL + 1] + table[TOP_LEVEL + 2]
+    return TOP_LEVEL if x >= TOP_LEVEL else (int(x) if x >= 1 else 0)
+
+
+@numba.njit(**dict(_PASS, inline="always"))
+def _block_step(wseg, gseg, codes_row, c0, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, vbuf, sc,
+                zero_bad):
+    """Pass one over a block (elements ``start ..`` of the flattening, columns ``c0 ..`` of its M row):
+    this step's M and V into ``mbuf``/``vbuf``, the decayed weight into ``wseg``, V's capped sums into
+    ``acc_v``/``vsums``. Returns the block's largest |M| (NaN as 0, at most bf16's largest) and whether
+    every gradient element was finite."""
+    m = col_v.shape[0]
+    beta1, rest1, cap = sc.beta1, sc.rest1, sc.cap
+    zero = sc.beta2 - sc.beta2
+    keep_bad = not zero_bad
+    top = zero
+    all_finite = True
+    i = start // m
+    jv = start - i * m
+    for j in range(wseg.shape[0]):
+        wj, gj, vj, finite = element(wseg[j], gseg[j], col_v[jv], row_v[i], sc, keep_bad, zero)
+        all_finite &= finite
+        code = (codes_row[(c0 + j) >> 1] >> ((j & 1) * 4)) & 15
+        mag = table[code & TOP_LEVEL] * scale
+        mj = beta1 * (-mag if code >= NEGATIVE else mag) + rest1 * gj
+        mbuf[j] = mj
+        vbuf[j] = vj
+        wseg[j] = wj
+        a = abs(mj)
+        top = max(top, zero if a != a else min(a, SCALE_MAX))
+        vs = capped(vj, cap)
+        acc_v[jv] += vs
+        vsums[i - v_row0] += vs
+        jv += 1
+        if jv == m:
+            jv = 0
+            i += 1
+    return top, all_finite
+
+
+@numba.njit(**dict(_PASS, inline="always"))
+def _block_write(wseg, codes_row, c0, scale, table, mbuf, vbuf, sc):
+    """Pass two over a block: each element's code against the block's new ``scale`` (two per byte) and its
+    weight stepped with this step's uncompressed M and V."""
+    lr, eps = sc.lr, sc.eps
+    width = wseg.shape[0]
+    for p in range(0, width, 2):
+        low = level_of(abs(mbuf[p]), scale, table) | (NEGATIVE if mbuf[p] < 0 else 0)
+        high = 0
+        if p + 1 < width:
+            high = level_of(abs(mbuf[p + 1]), scale, table) | (NEGATIVE if mbuf[p + 1] < 0 else 0)
+        codes_row[(c0 + p) >> 1] = np.uint8(low | (high << 4))
+    for j in range(width):
+        wseg[j] = wseg[j] - lr * (mbuf[j] / (math.sqrt(vbuf[j]) + eps))
+
+
+@numba.njit(inline="always", **_PASS)
+def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v, bad_counts, geo, opts, sc):
+    """One step of a whole tensor under the levels code, in place. ``w``, ``g``: flat, work dtype or the
+    int16 bits of bf16; ``codes``: uint8 (rows, ⌈cols/2⌉); ``scales``: the int16 bits of the bf16 scales
+    (rows, ⌈cols/128⌉); ``table``: :func:`level_table`; ``row_v``/``col_v``: V's factors; per block of M rows: ``col_acc_v`` (blocks × m),
+    ``row_acc_v`` (blocks × :func:`touched_v_rows`) and ``bad_counts``. Sums run in a fixed order for a
+    given block layout (it depends on the thread count only)."""
+    cols = geo.cols
+    one = table[TOP_LEVEL]  # 7/7: 1 in the work dtype
+    for b in numba.prange(bad_counts.shape[0]):
+        first, end = b * geo.rows_per_block, min(geo.rows, (b + 1) * geo.rows_per_block)
+        acc_v, vsums = col_acc_v[b], row_acc_v[b]
+        acc_v[:] = 0
+        vsums[:] = 0
+        v_row0 = (first * cols) // geo.m
+        mbuf = np.empty(BLOCK, dtype=col_v.dtype)
+        vbuf = np.empty(BLOCK, dtype=col_v.dtype)
+        wbuf = np.empty(BLOCK, dtype=np.uint32)
+        gbuf = np.empty(BLOCK, dtype=np.uint32)
+        bad = 0
+        for r in range(first, end):
+            for c0 in range(0, cols, BLOCK):
+                start, width = r * cols + c0, min(BLOCK, cols - c0)
+                wseg = load(w, start, width, wbuf)
+                gseg = load(g, start, width, gbuf)
+                top, all_finite = _block_step(
+                    wseg, gseg, codes[r], c0, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v, vsums,
+                    v_row0, start, mbuf[:width], vbuf[:width], sc, opts.zero_bad)
+                if not all_finite:
+                    bad += count_bad(gseg, sc.big)
+                stored = scale_bits(top)
+                scales[r, c0 // BLOCK] = stored
+                _block_write(wseg, codes[r], c0, scale_value(stored, one), table, mbuf[:width], vbuf[:width], sc)
+                store(w, start, wseg, opts.sr)
+        bad_counts[b] = bad
+    # V's new factors from the blocks' sums (the old ones were read until here).
+    row_v[:] = 0
+    for b in range(bad_counts.shape[0]):
+        v_row0 = (b * geo.rows_per_block * cols) // geo.m
+        for k in range(row_acc_v.shape[1]):
+            if v_row0 + k < geo.n:
+                row_v[v_row0 + k] += row_acc_v[b, k]
+    _finish_cols(row_v, col_v, col_acc_v, True)
+
+
+# Arrays, then LevelsGeometry, Options, Scalars.
+@cached_njit(parallel=True, **KERNEL_OPTIONS)
+def _levels_kernel_parallel(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v, bad_counts, geo, opts,
+                            sc):
+    _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v, bad_counts, geo, opts, sc)
+
+
+@cached_njit(**KERNEL_OPTIONS)
+def _levels_kernel_serial(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v, bad_counts, geo, opts, sc):
+    _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v, bad_counts, geo, opts, sc)
+
+
+LEVELS_KERNELS = {True: _levels_kernel_parallel, False: _levels_kernel_serial}

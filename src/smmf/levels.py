@@ -1,0 +1,81 @@
+"""The block-levels code of M (``magnitude_bits=3``, beyond the paper): its math on plain tensors.
+
+M is seen by rows of the parameter (dim 0 × the rest; a 1-D tensor is one row), each row cut into blocks
+of :data:`BLOCK` contiguous elements (the last one shorter). Per element: a sign bit and a 3-bit level
+``j``; per block: a bf16 scale, the block's largest |M|. The decoded magnitude is ``j/7 · scale``, and
+``j`` is the level nearest to ``|M| / scale`` (ties up). That is 4 bits per element plus 16 per block:
+4.125 bits per parameter, against the paper's ~1 (a sign bit and factors).
+
+Why this code (``docs/momentum-diagnosis.md``): sign × rank-1 gives small coordinates of M their row's
+and column's average, several times too large; a per-block scale with a few levels keeps each element's
+own magnitude to within 1/14 of its block's largest. Blocks run along rows so that an FSDP2 shard (whole
+rows) holds whole blocks.
+
+Storage: ``codes`` uint8 (rows, ⌈cols/2⌉), two 4-bit codes per byte (the even column in the low nibble),
+a code being ``j | 8·[M < 0]``; ``scales`` bf16 (rows, ⌈cols/BLOCK⌉). Whatever M holds, the stored code
+decodes finite: NaN codes as 0, and a scale is at most bf16's largest finite value.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "levels_shape", "codes_shape", "scales_shape", "encode_levels",
+           "decode_levels"]
+
+BLOCK = 128  # elements of a row that share a scale
+TOP_LEVEL = 7  # levels j = 0 .. 7: magnitudes j/7 of the block's scale (3 bits)
+NEGATIVE = 8  # the code's sign bit: set where M < 0
+SCALE_MAX = float(torch.finfo(torch.bfloat16).max)  # the largest scale, so that decoding stays finite
+
+
+def levels_shape(real_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The rows × cols view of M under this code: dim 0 × the rest; one row for a 0-D or 1-D tensor."""
+    numel = 1
+    for size in real_shape:
+        numel *= size
+    rows = real_shape[0] if len(real_shape) >= 2 else 1
+    return (rows, numel // rows) if rows else (0, 0)
+
+
+def codes_shape(rows: int, cols: int) -> tuple[int, int]:
+    return rows, (cols + 1) // 2
+
+
+def scales_shape(rows: int, cols: int) -> tuple[int, int]:
+    return rows, -(-cols // BLOCK)
+
+
+def block_scales(m: Tensor) -> Tensor:
+    """Each block's scale, as stored (bf16): its largest |M| (NaN counted as 0), at most :data:`SCALE_MAX`,
+    rounded to nearest through fp32."""
+    rows, cols = m.shape
+    magnitude = m.abs().nan_to_num_(nan=0.0).clamp_(max=SCALE_MAX)
+    padded = torch.nn.functional.pad(magnitude, (0, (-cols) % BLOCK))
+    return padded.view(rows, -1, BLOCK).amax(dim=2).to(torch.float32).to(torch.bfloat16)
+
+
+def per_element(scales: Tensor, cols: int, dtype: torch.dtype) -> Tensor:
+    """The scales, each repeated over its block's elements: rows × cols in ``dtype``."""
+    return scales.to(dtype).repeat_interleave(BLOCK, dim=1)[:, :cols]
+
+
+def encode_levels(m: Tensor) -> tuple[Tensor, Tensor]:
+    """``(codes, scales)`` of a rows × cols M (fp32 or fp64)."""
+    rows, cols = m.shape
+    scales = block_scales(m)
+    scale = per_element(scales, cols, m.dtype)
+    ratio = torch.where(scale > 0, m.abs() / torch.where(scale > 0, scale, 1.0), 0.0).nan_to_num_(nan=0.0)
+    level = (ratio * TOP_LEVEL + 0.5).floor_().clamp_(max=TOP_LEVEL).to(torch.uint8)
+    code = level | (m < 0).to(torch.uint8) * NEGATIVE
+    code = torch.nn.functional.pad(code, (0, cols % 2))
+    return code[:, 0::2] | (code[:, 1::2] << 4), scales
+
+
+def decode_levels(codes: Tensor, scales: Tensor, cols: int, dtype: torch.dtype) -> Tensor:
+    """M̂ (rows × cols in ``dtype``) from :func:`encode_levels`' output: ``±(j / 7) · scale``."""
+    rows = codes.shape[0]
+    code = torch.stack([codes & 15, codes >> 4], dim=2).view(rows, -1)[:, :cols]
+    magnitude = (code & TOP_LEVEL).to(dtype) / TOP_LEVEL * per_element(scales, cols, dtype)
+    return torch.where(code >= NEGATIVE, -magnitude, magnitude)
