@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from smmf.kernels.triton_gpu import finish, step, table
+from smmf.kernels.triton_gpu import finish, levels, step, table
 
 STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", words_ptr="*i32", bad_ptr="*i32",
                  lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", gsign="fp32", shrink="fp32", l2="fp32", seed="i32")
@@ -27,6 +27,15 @@ SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", b
                  shrink="fp32", l2="fp32")
 FINISH_ARGS = dict(meta_ptr="*i64", partial_ptr="*fp32", words_ptr="*i32")
 TILES = dict(BR=table.BLOCK_ROWS, BC=table.BLOCK_COLS, BAND=table.BAND_ROWS)
+# The levels code's kernels take the tensors themselves: the weight and gradient pointers carry the dtype.
+_LEVELS_SCALARS = dict(beta2="fp32", rest2="fp32", gsign="fp32", shrink="fp32", l2="fp32")
+LEVELS_V_SUMS_ARGS = dict(row_v_ptr="*fp32", col_v_ptr="*fp32", row_part_ptr="*fp32", col_part_ptr="*fp32", n="i32",
+                          m="i32", cap="fp32", **_LEVELS_SCALARS)
+LEVELS_STEP_ARGS = dict(codes_ptr="*u8", scales_ptr="*bf16", row_v_ptr="*fp32", col_v_ptr="*fp32", bad_ptr="*i32",
+                        cols="i32", m="i32", blocks_per_row="i32", blocks="i32", lr="fp32", beta1="fp32", rest1="fp32",
+                        eps="fp32", seed="i32", **_LEVELS_SCALARS)
+# Options a kernel is launched with beyond its warps.
+LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS}
 
 
 def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
@@ -51,6 +60,15 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
                     finish.finish_kernel, FINISH_ARGS, consts, 8))
     out.append(("flag finish", finish.flag_finish_kernel, dict(meta_ptr="*i64", partial_ptr="*fp32"),
                 dict(BLOCK=256), 4))
+    for dtype in ("fp32", "bf16", "fp16"):
+        tensors = dict(w_ptr=f"*{dtype}", g_ptr=f"*{dtype}")
+        out.append((f"levels V sums {dtype}", levels.v_sums_kernel, dict(LEVELS_V_SUMS_ARGS, **tensors),
+                    dict(ZERO_BAD=True, **TILES), table.WARPS))
+        for stochastic in (False, True) if dtype == "bf16" else (False,):
+            out.append((f"levels step {dtype} stochastic={stochastic}", levels.levels_step_kernel,
+                        dict(LEVELS_STEP_ARGS, **tensors),
+                        dict(ZERO_BAD=True, STOCHASTIC=stochastic, BLOCKS=levels.BLOCKS_PER_PROGRAM),
+                        levels.STEP_WARPS))
     return out
 
 
@@ -72,8 +90,9 @@ def compile_all(arch: int = 90) -> list[tuple[str, str]]:
     for label, kernel, arg_types, consts, warps in variants():
         names = inspect.signature(kernel.fn).parameters
         signature = {name: "constexpr" if name in consts else arg_types[name] for name in names}
+        options = {"num_warps": warps, **LAUNCH_OPTIONS.get(kernel, {})}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
-                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+                                  target=GPUTarget("cuda", arch, 32), options=options)
         report.append((label, resources(compiled.asm["cubin"])))
     return report
 

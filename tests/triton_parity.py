@@ -3,6 +3,7 @@ tensors under Triton's interpreter (TRITON_INTERPRET=1 must be set before triton
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -11,7 +12,7 @@ from smmf.functional import StepConfig, decompress_momentum, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
 from smmf.matrix import unpack_signs
 from smmf.schedules import beta1_at, beta2_at
-from smmf.state import MomentumCode, init_state, momentum_code
+from smmf.state import MomentumCode, init_state, momentum_code, real_view
 
 # Aligned widths (64×48, 32×24, 256×128: several tiles) and widths that are not a multiple of 8
 # (36×30 conv, a prime, 31×9), which write their sign bits through the int32 scratch.
@@ -95,8 +96,9 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
 
 def run_batched(device: str) -> None:
     """All shapes (and two large ones: several bands and tiles, aligned and not) in one call, mixed
-    dtypes, a param one step behind, every third one's M in its natural shape and every fourth with
-    the magnitude flag: each equals its own torch-path step."""
+    dtypes, a param one step behind, every third one's M in its natural shape, every fourth with
+    the magnitude flag and two under the levels code (their own kernels, the same NaN/inf counter): each
+    equals its own torch-path step."""
     from smmf.kernels.triton_gpu import triton_steps_
 
     gen = torch.Generator().manual_seed(1)
@@ -104,7 +106,7 @@ def run_batched(device: str) -> None:
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     params = [torch.randn(s, generator=gen).to(device, dtypes[i % 3]) for i, s in enumerate(shapes)]
     groups = [{"beta": 0.9, "vector_reshape": True, "momentum_shape": "natural" if i % 3 == 2 else "square",
-               "magnitude_bits": int(i % 4 == 1)} for i in range(len(params))]
+               "magnitude_bits": 3 if i % 5 == 3 else int(i % 4 == 1)} for i in range(len(params))]
     states = [init_state(p, group) for p, group in zip(params, groups)]
     for step in range(1, 4):
         items, expected = [], []
@@ -123,7 +125,7 @@ def run_batched(device: str) -> None:
             tol = 1e-5 if p.dtype == torch.float32 else 1e-2
             torch.testing.assert_close(p.float(), ref_p.float(), rtol=tol, atol=tol)
             _same_code(st, ref_st, cfg)
-            for key in ("sign_m", "flag_m"):
+            for key in ("sign_m", "flag_m", "codes_m", "scales_m"):
                 if key in ref_st:
                     flips = (st[key] != ref_st[key]).sum().item()
                     assert flips <= max(1, 1e-3 * st[key].numel()), (key, flips)
@@ -202,6 +204,92 @@ def run_flag_shards(device: str) -> None:
     print(f"{device} flag shard passes: OK")
 
 
+# The levels code (magnitude_bits=3): M by rows in blocks of 128. A short last block (600 = 4·128 + 88),
+# rows of odd length (33; the conv's 27: a row's last byte holds one code), 1-D vectors (one row), a 4-D
+# conv, a complex param (its real view: 33 rows of 10), a prime N (V's view n×1).
+LEVELS_SHAPES = [(129, 600), (257, 33), (768,), (13,), (40, 3, 3, 3), (33, 5), (1009,)]
+
+
+def _same_levels(out: dict, ref: dict, exact: bool) -> None:
+    """V's factors at 1e-5 of their scale (NaN where the torch path has NaN), and the levels code as stored:
+    with ``exact`` (the interpreter on CPU, which rounds as torch's CPU ops do) codes and scales bit for
+    bit; on CUDA torch divides by the scalar 7 through its reciprocal (1 ulp off for j = 3, 6), so a level
+    or a scale within float noise of a rounding boundary may differ: at most 1e-3 of them."""
+    for key in ("row_v", "col_v"):
+        scale = ref[key].nan_to_num(nan=0.0).abs().max().item() if ref[key].numel() else 0.0
+        torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5 * scale, equal_nan=True)
+    for key in ("codes_m", "scales_m"):
+        assert out[key].shape == ref[key].shape, key
+        flips = (out[key] != ref[key]).sum().item()
+        assert flips <= (0 if exact else max(1, 1e-3 * ref[key].numel())), (key, flips)
+
+
+def run_levels(device: str, dtype: torch.dtype) -> None:
+    """The levels code on its Triton kernels == the torch path, 5 steps per shape and config from identical
+    inputs: AdamW-style decay, L2 (``weight_decay_mode="adam"``) with maximize, and NaN/inf gradients at
+    step 3 (counted, as the torch path counts them; and left to propagate when not zeroed)."""
+    gen = torch.Generator().manual_seed(6)
+    configs = [dict(weight_decay=0.1, decoupled=True, maximize=False, zero=True),
+               dict(weight_decay=0.01, decoupled=False, maximize=True, zero=True),
+               dict(weight_decay=0.0, decoupled=True, maximize=False, zero=False)]
+    for shape in LEVELS_SHAPES:
+        for config in configs:
+            complex_param = shape == (33, 5)
+            if complex_param and dtype != torch.float32:
+                continue
+            p = torch.randn(shape, generator=gen, dtype=torch.complex64 if complex_param else torch.float32)
+            p = p.to(device) if complex_param else p.to(device, dtype)
+            group = {"beta": 0.9, "vector_reshape": True, "magnitude_bits": 3}
+            state = init_state(p, group)
+            for step in range(1, 6):
+                g = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device)
+                if step == 3:  # NaN and inf gradient elements
+                    real_view(g).view(-1)[::11] = float("nan")
+                    real_view(g).view(-1)[5::17] = float("inf")
+                cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
+                                 weight_decay=config["weight_decay"], decoupled_weight_decay=config["decoupled"],
+                                 maximize=config["maximize"], stochastic_rounding=False,
+                                 code=momentum_code(p, group), zero_nonfinite=config["zero"])
+                q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                expected_bad = torch_step_(p, g, state, cfg)
+                bad = triton_step_(q, g, sq, cfg)
+                if config["zero"]:
+                    assert int(bad.item()) == expected_bad, (shape, step, int(bad.item()), expected_bad)
+                tol = 1e-6 if dtype == torch.float32 or complex_param else 1e-2
+                torch.testing.assert_close(real_view(q).float(), real_view(p).float(), rtol=tol, atol=tol,
+                                           equal_nan=True)
+                _same_levels(sq, state, exact=device == "cpu")
+                if not config["zero"] and step >= 3:  # the NaN propagated into the weights: go on from new ones
+                    p = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device)
+                    state = init_state(p, group)
+                else:
+                    p, state = q, sq  # go on from identical inputs (the kernel's)
+    print(f"{device} {dtype} levels code: OK")
+
+
+def run_levels_stochastic(device: str) -> None:
+    """bf16 weights under stochastic rounding on the levels kernels: each within one bf16 ulp of the
+    torch path's round-to-nearest, some rounded the other way (the noise is applied), the code as the
+    torch path's."""
+    gen = torch.Generator().manual_seed(7)
+    p = torch.randn(129, 600, generator=gen).to(device, torch.bfloat16)
+    group = {"beta": 0.9, "vector_reshape": True, "magnitude_bits": 3}
+    state = init_state(p, group)
+    for step in range(1, 4):
+        g = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
+        cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                         maximize=False, stochastic_rounding=False, code=MomentumCode.LEVELS)
+        q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        torch_step_(p, g, state, cfg)
+        triton_step_(q, g, sq, dataclasses.replace(cfg, stochastic_rounding=True))
+        ulp = (p.float().abs() * 2.0 ** -7).clamp(min=2.0 ** -133)  # a bf16 ulp is at most 2^-7 of |w|
+        assert bool(((q.float() - p.float()).abs() <= ulp).all())
+        assert 0 < (q != p).float().mean().item() < 0.5
+        _same_levels(sq, state, exact=device == "cpu")
+        p, state = q, sq
+    print(f"{device} levels code, bf16 stochastic rounding: OK")
+
+
 def run_huge_flag(device: str) -> None:
     """Finite gradients near the fp32 maximum keep the magnitude flag's levels, and the weights, finite
     (two elements of 3e38; a whole gradient scaled by 1e20), with the torch path's levels."""
@@ -233,6 +321,9 @@ def run_huge_flag(device: str) -> None:
 
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    for dtype in [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else []):
+        run_levels(device, dtype)
+    run_levels_stochastic(device)
     run_huge_flag(device)
     run_flag_shards(device)
     run_shards(device)

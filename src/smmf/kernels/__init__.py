@@ -32,7 +32,7 @@ FUSED: dict[str, tuple[str, Coverage]] = {
         codes=_FACTORED | {MomentumCode.LEVELS})),
     "triton": ("smmf.kernels.triton_gpu", Coverage(
         "cuda", frozenset({torch.float32, torch.bfloat16, torch.float16}), complex_params=True, sharded_complex=False,
-        codes=_FACTORED)),
+        codes=_FACTORED | {MomentumCode.LEVELS})),
 }
 
 

@@ -14,6 +14,7 @@ from ...state import (COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, Mome
                       real_view)
 from ..contract import FlagPass, StepItem
 from .finish import finish_kernel, flag_finish_kernel
+from .levels import launch_levels
 from .step import momentum_sums_kernel, step_kernel
 from . import table as tables  # tile shape read at each launch: benchmarks/gpu_tune.py sweeps it
 from .table import META_COLUMNS, TABLE_FIELDS, layout
@@ -29,9 +30,11 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
     """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch per distinct
-    (dtype, cfg, alignment) among them. Returns a CUDA counter of NaN/inf gradient elements (a lower
+    (dtype, cfg, alignment) among them; under the levels code (``magnitude_bits=3``), the launches of
+    :func:`.levels.launch_levels` per tensor. Returns a CUDA counter of NaN/inf gradient elements (a lower
     bound; not synchronized), or None when none of the configs zeroes them."""
     launches: dict[tuple, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
+    levels_items = []  # the levels code: kernels of its own per tensor (.levels), not the table's
     copies_back = []
     for param, grad, state, cfg in items:
         if real_view(param).numel() == 0:
@@ -44,20 +47,25 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
         g = real_view(grad)
         if g.dtype != weight.dtype or not g.is_contiguous():
             g = g.to(weight.dtype).contiguous()
+        if cfg.code is MomentumCode.LEVELS:
+            levels_items.append((weight, g, state, cfg))
+            continue
         # Without a first moment there are no sign bits, and every tensor takes the aligned code.
         m = matrix_shape(weight)[1]
         aligned = cfg.beta1 is None or m % 8 == 0
         natural = momentum_cols(state, m) != m
         key = (*_config_key(cfg, weight.dtype), aligned, natural, cfg.code is MomentumCode.FLAG)
         launches.setdefault(key, []).append((weight, g, state, cfg))
-    if not launches:
+    if not launches and not levels_items:
         return None
-    bad = torch.zeros(1, dtype=torch.int32, device=next(iter(launches.values()))[0][0].device)
+    bad = torch.zeros(1, dtype=torch.int32, device=items[0][0].device)
     for (dtype, *_, stochastic, aligned, natural, flag), tensors in launches.items():
         spans = tuple((n, m, 0, n * m, momentum_cols(state, m), flag)
                       for (n, m), state in ((matrix_shape(w), st) for w, _, st, _ in tensors))
         _launch(tensors, spans, bad, dtype=dtype, stochastic=stochastic, aligned=aligned, normalize=True,
                 natural=natural, flag=flag)
+    for weight, g, state, cfg in levels_items:
+        launch_levels(weight, g, state, cfg, bad)
     for weight, copy in copies_back:
         weight.copy_(copy)
     return bad if any(cfg.zero_nonfinite for _, _, _, cfg in items) else None

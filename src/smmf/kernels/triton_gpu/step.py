@@ -34,7 +34,7 @@ from .table import (
     T_LEVEL_SUMS_AT,
     T_FLAG_WORDS_AT,
 )
-from .tiles import finite_or_cap, momentum, or_bits, work_item
+from .tiles import bf16_rounded, finite_or_cap, momentum, or_bits, work_item
 
 
 @triton.jit
@@ -190,15 +190,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             u = g / (tl.sqrt(v) + eps)
         new_w = w - lr * u
         if W_DTYPE == tl.bfloat16:
-            # Round to bf16 in the bits (the same on every Triton target): add noise below the
-            # kept 16 bits (stochastic) or half an ulp to even (nearest), then truncate; NaN stays NaN.
-            ubits = new_w.to(tl.uint32, bitcast=True)
-            if STOCHASTIC:
-                ubits += (tl.randint(seed + t, (start0 + offs).to(tl.uint32)) & 0xFFFF).to(tl.uint32)
-            else:
-                ubits += 0x7FFF + ((ubits >> 16) & 1)
-            rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
-            new_w = tl.where(new_w != new_w, new_w, rounded)
+            new_w = bf16_rounded(new_w, seed + t, start0 + offs, STOCHASTIC)
         tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
     tl.store(part + tiles * n + band * m + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
     bad = tl.sum(tl.sum(tl.sum(any_bad.to(tl.int32), axis=2), axis=1), axis=0)

@@ -1,5 +1,5 @@
-"""Pieces the Triton kernels share: this step's M from the stored code, the NaN/cap guard, packing
-sign bits into int32 words, a program's work item, copying the bit scratch back."""
+"""Pieces the Triton kernels share: this step's M from the stored code, the NaN/cap guard, rounding to
+bf16, packing sign bits into int32 words, a program's work item, copying the bit scratch back."""
 
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ def finite_or_cap(x, cap):
     """NaN → 0, above ``cap`` → ``cap`` (:func:`smmf.functional.magnitude_flag_fit`)."""
     x = tl.where(x != x, 0.0, x)
     return tl.where(x > cap, cap, x)
+
+
+@triton.jit
+def bf16_rounded(x, seed, offsets, STOCHASTIC: tl.constexpr):
+    """fp32 ``x`` rounded to bf16 in the bits, so that every Triton target (and the interpreter) rounds
+    alike: add noise below the kept 16 bits (``STOCHASTIC``: ``tl.randint(seed, offsets)``) or half an ulp
+    to even (nearest), then truncate; NaN stays NaN. Returns fp32 values that bf16 holds exactly."""
+    ubits = x.to(tl.uint32, bitcast=True)
+    if STOCHASTIC:
+        ubits += (tl.randint(seed, offsets.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+    else:
+        ubits += 0x7FFF + ((ubits >> 16) & 1)
+    rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
 
 
 @triton.jit
