@@ -69,38 +69,56 @@ def level_of(a, scale, table):
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _block_step(wseg, gseg, codes_row, c0, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, vbuf, sc,
-                zero_bad):
-    """Pass one over a block (elements ``start ..`` of the flattening, columns ``c0 ..`` of its M row):
-    this step's M and V into ``mbuf``/``vbuf``, the decayed weight into ``wseg``, V's capped sums into
-    ``acc_v``/``vsums``. Returns the block's largest |M| (NaN as 0, at most bf16's largest) and whether
-    every gradient element was finite."""
-    m = col_v.shape[0]
+def _run_step(wrun, grun, codes_row, c0, scale, table, col_v, rv, acc_v, mrun, vrun, sc, zero_bad):
+    """Pass one over a run of a block that stays in one row of V's view (its row factor ``rv``, its column
+    factors and sums ``col_v``/``acc_v`` from the run's first column; M columns ``c0 ..``): this step's M
+    and V into ``mrun``/``vrun``, the decayed weight into ``wrun``, V's capped sums into ``acc_v``. Returns
+    the run's largest |M| (NaN as 0, at most bf16's largest), its V row sum and whether every gradient
+    element was finite."""
     beta1, rest1, cap = sc.beta1, sc.rest1, sc.cap
     zero = sc.beta2 - sc.beta2
     keep_bad = not zero_bad
     top = zero
-    all_finite = True
-    i = start // m
-    jv = start - i * m
-    for j in range(wseg.shape[0]):
-        wj, gj, vj, finite = element(wseg[j], gseg[j], col_v[jv], row_v[i], sc, keep_bad, zero)
-        all_finite &= finite
-        code = (codes_row[(c0 + j) >> 1] >> ((j & 1) * 4)) & 15
+    sum_v = zero
+    any_bad = False
+    for j in range(wrun.shape[0]):
+        wj, gj, vj, finite = element(wrun[j], grun[j], col_v[j], rv, sc, keep_bad, zero)
+        any_bad |= not finite
+        code = (codes_row[(c0 + j) >> 1] >> (((c0 + j) & 1) * 4)) & 15
         mag = table[code & TOP_LEVEL] * scale
         mj = beta1 * (-mag if code >= NEGATIVE else mag) + rest1 * gj
-        mbuf[j] = mj
-        vbuf[j] = vj
-        wseg[j] = wj
+        mrun[j] = mj
+        vrun[j] = vj
+        wrun[j] = wj
         a = abs(mj)
         top = max(top, zero if a != a else min(a, SCALE_MAX))
         vs = capped(vj, cap)
-        acc_v[jv] += vs
-        vsums[i - v_row0] += vs
-        jv += 1
-        if jv == m:
-            jv = 0
-            i += 1
+        acc_v[j] += vs
+        sum_v += vs
+    return top, sum_v, not any_bad
+
+
+@numba.njit(**dict(_PASS, inline="always"))
+def _block_step(wseg, gseg, codes_row, c0, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, vbuf, sc,
+                zero_bad):
+    """Pass one over a block (elements ``start ..`` of the flattening, columns ``c0 ..`` of its M row), in
+    runs along rows of V's view (:func:`_run_step`); V's row sums into ``vsums`` (from V row ``v_row0``).
+    Returns the block's largest |M| and whether every gradient element was finite."""
+    m = col_v.shape[0]
+    top = sc.beta2 - sc.beta2
+    all_finite = True
+    k = 0
+    while k < wseg.shape[0]:
+        i = (start + k) // m
+        jv = start + k - i * m
+        end = min(wseg.shape[0], k + m - jv)
+        run_top, run_v, finite = _run_step(
+            wseg[k:end], gseg[k:end], codes_row, c0 + k, scale, table, col_v[jv : jv + end - k], row_v[i],
+            acc_v[jv : jv + end - k], mbuf[k:end], vbuf[k:end], sc, zero_bad)
+        top = max(top, run_top)
+        vsums[i - v_row0] += run_v
+        all_finite &= finite
+        k = end
     return top, all_finite
 
 
