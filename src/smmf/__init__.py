@@ -1,7 +1,7 @@
 """SMMF: Square-Matricized Momentum Factorization, a memory-efficient PyTorch optimizer."""
 
 from .backward import StepInBackward, step_in_backward
-from .optimizer import SMMF
+from .optimizer import RECOMMENDED, SMMF
 
-__all__ = ["SMMF", "step_in_backward", "StepInBackward", "__version__"]
+__all__ = ["RECOMMENDED", "SMMF", "step_in_backward", "StepInBackward", "__version__"]
 __version__ = "0.3.0.dev0"  # the one place the version is written (pyproject.toml reads it)

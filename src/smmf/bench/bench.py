@@ -57,14 +57,16 @@ SHAPE_SETS = {
 LIMIT = "axpy (limit)"
 # Bytes per fp32 parameter that one step must move: read the gradient, read and write the weight
 # and every state tensor of the parameter's size (SMMF: the 1-bit signs, 2 × 1/8 B).
-# The magnitude flag's two passes read the gradient twice and its bits once more (16.5 B).
+# The magnitude flag's two passes read the gradient twice and its bits once more (16.5 B); the levels
+# code reads and writes a 4-bit code per element (13 B; its bf16 scales, 1/64 B, are left out).
 # 8-bit moments: 2 × 2 B read and written; 4-bit: 2 × 2 × 1/2 B; the factored AdamW_adv: SMMF's pattern.
 BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25, "SMMF natural": 12.25,
-                   "SMMF natural+flag": 16.5, "axpy": 12.0, "AdamW8bit": 16.0, "AdamW4bit": 14.0,
+                   "SMMF natural+flag": 16.5, "SMMF levels": 13.0, "axpy": 12.0, "AdamW8bit": 16.0, "AdamW4bit": 14.0,
                    "AdamW_adv factored": 12.25}
 # Beyond the paper, opt-in (``--momentum-codes``): SMMF's other codes for M on the fused kernel.
 MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"),
-                  "SMMF natural+flag": dict(momentum_shape="natural", magnitude_bits=1)}
+                  "SMMF natural+flag": dict(momentum_shape="natural", magnitude_bits=1),
+                  "SMMF levels": dict(magnitude_bits=3)}
 
 
 def peer_factories(quiet: bool = False) -> dict[str, OptimFactory]:
@@ -291,7 +293,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--threads", type=int, help="CPU threads for torch and numba (default: torch's)")
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--momentum-codes", action="store_true",
-                        help="also SMMF's opt-in codes for M on the numba kernel (natural shape, + magnitude flag)")
+                        help="also SMMF's opt-in codes for M on the numba kernel (natural shape, + magnitude flag, "
+                             "the levels code)")
     parser.add_argument("--peers", action="store_true",
                         help="also torchao AdamW8bit/AdamW4bit, bitsandbytes AdamW8bit and adv_optm's factored AdamW_adv "
                              "(each skipped, with a note, when its package is missing)")

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import SMMF
+from .. import RECOMMENDED, SMMF
 from ..memory import OPTIMIZERS
 
 
@@ -96,6 +96,9 @@ def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
         "smmf-natural": OptimizerSpec("SMMF natural", SMMF, smmf | dict(momentum_shape="natural")),
         "smmf-natural-flag": OptimizerSpec("SMMF natural+flag", SMMF,
                                            smmf | dict(momentum_shape="natural", magnitude_bits=1)),
+        # smmf.RECOMMENDED with SMMF's default decoupled weight decay (the figure AdamW gets).
+        "smmf-recommended": OptimizerSpec("SMMF recommended", SMMF,
+                                          smmf | dict(RECOMMENDED) | dict(weight_decay_mode="adamw")),
         "adafactor-torch": OptimizerSpec("Adafactor (torch, no β1)", torch.optim.Adafactor,
                                          dict(lr=1e-2, beta2_decay=-0.8, weight_decay=wd)),
         "adamw": OptimizerSpec("AdamW (torch)", torch.optim.AdamW, adamw),
@@ -117,7 +120,7 @@ PEERS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 # 2 cores of an AMD EPYC, over the main job's 10-minute budget (the five: about 600 s).
 DEFAULT_OPTIMIZERS = tuple(OPTIMIZERS)
 PAPER_SMMF = "smmf"
-RECOMMENDED_SMMF = "smmf-natural"
+RECOMMENDED_SMMF = "smmf-recommended"
 
 
 def parse_opt_args(items: list[str]) -> dict[str, dict[str, Any]]:

@@ -19,6 +19,9 @@ import numba
 import numpy as np
 
 from ...levels import BLOCK, NEGATIVE, SCALE_MAX, TOP_LEVEL
+from numba import types
+from numba.extending import overload
+
 from .access import load, store
 from .cache import FASTMATH, KERNEL_OPTIONS, cached_njit
 from .elements import capped, count_bad, element
@@ -36,17 +39,13 @@ def touched_v_rows(rows_per_block, cols, m):
 @numba.njit(inline="always")
 def scale_value(bits, one):
     """A stored bf16 scale (its int16 bit pattern) in the work dtype (``one``'s)."""
-    word = np.empty(1, dtype=np.uint32)
-    word[0] = (np.uint32(bits) & np.uint32(0xFFFF)) << np.uint32(16)
-    return one * word.view(np.float32)[0]
+    return one * np.uint32((np.uint32(bits) & np.uint32(0xFFFF)) << np.uint32(16)).view(np.float32)
 
 
 @numba.njit(inline="always")
 def scale_bits(top):
     """The largest |M| of a block (finite, ≥ 0) rounded to bf16 through fp32, nearest even: its int16 bits."""
-    word = np.empty(1, dtype=np.float32)
-    word[0] = top
-    u = word.view(np.uint32)[0]
+    u = np.float32(top).view(np.uint32)
     u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
     return np.int16(np.int32(u >> np.uint32(16)) - (65536 if (u >> np.uint32(31)) else 0))
 
@@ -54,86 +53,124 @@ def scale_bits(top):
 def level_table(dtype: Any) -> np.ndarray:
     """The numbers of the code in the work dtype, so that the kernel computes in it as the torch path does
     (numba would widen an fp32 times a Python number to fp64): the level values j/7 for j = 0 .. 7, then
-    7 and 0.5."""
+    7, 0.5 and the largest scale."""
     levels = np.arange(TOP_LEVEL + 1, dtype=dtype) / dtype(TOP_LEVEL)
-    return np.concatenate([levels, np.array([TOP_LEVEL, 0.5], dtype=dtype)])
+    return np.concatenate([levels, np.array([TOP_LEVEL, 0.5, SCALE_MAX], dtype=dtype)])
 
 
 @numba.njit(inline="always")
 def level_of(a, scale, table):
-    """The level j of |M| = ``a`` against ``scale``: nearest of j/7 (ties up), 0 for NaN or a zero scale."""
-    if not scale > 0:
-        return 0
+    """The level j of |M| = ``a`` against a positive ``scale``: nearest of j/7 (ties up), 0 for NaN. Branch-free,
+    so that the loop over a block vectorizes."""
     x = (a / scale) * table[TOP_LEVEL + 1] + table[TOP_LEVEL + 2]
-    return TOP_LEVEL if x >= TOP_LEVEL else (int(x) if x >= 1 else 0)
+    x = x if x == x else table[0]  # NaN → level 0
+    return np.uint8(min(x, table[TOP_LEVEL + 1]))  # in [0, 7]: truncation is the floor
+
+
+def block_top(mbuf, table):
+    """The largest |M| of a block (NaN counted as 0, at most the largest scale, ``table[10]``), by an integer
+    maximum over the bit patterns of |M| (for non-negative floats their order is the values'; NaN's lie above
+    inf's and are dropped): unlike a float maximum, which must keep NaN, the loop vectorizes. Typed by
+    :func:`_overload_block_top`."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(block_top, inline="always")
+def _overload_block_top(mbuf, table):
+    wide = mbuf.dtype == types.float64
+    uint, float_ = (np.uint64, np.float64) if wide else (np.uint32, np.float32)
+    magnitude = uint(0x7FFFFFFFFFFFFFFF) if wide else uint(0x7FFFFFFF)
+    infinity = uint(0x7FF0000000000000) if wide else uint(0x7F800000)
+
+    def top(mbuf, table):
+        bits = mbuf.view(uint)
+        best = uint(0)
+        for j in range(bits.shape[0]):
+            u = bits[j] & magnitude
+            best = max(best, u if u <= infinity else uint(0))
+        return min(uint(best).view(float_), table[TOP_LEVEL + 3])
+
+    return top
+
+
+@numba.njit(inline="always")
+def unpack_codes(codes_row, c0, width, cbuf):
+    """The 4-bit codes of columns ``c0 .. c0 + width`` (``c0`` even) into one byte each."""
+    src = codes_row[c0 >> 1 : (c0 + width + 1) >> 1]
+    for q in range(src.shape[0]):
+        cbuf[2 * q] = src[q] & np.uint8(15)
+        cbuf[2 * q + 1] = src[q] >> np.uint8(4)
+
+
+@numba.njit(inline="always")
+def pack_codes(codes_row, c0, width, cbuf):
+    """Inverse of :func:`unpack_codes`; a lone last code gets a zero high nibble."""
+    if width & 1:
+        cbuf[width] = 0
+    dst = codes_row[c0 >> 1 : (c0 + width + 1) >> 1]
+    for q in range(dst.shape[0]):
+        dst[q] = cbuf[2 * q] | (cbuf[2 * q + 1] << np.uint8(4))
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _run_step(wrun, grun, codes_row, c0, scale, table, col_v, rv, acc_v, mrun, vrun, sc, zero_bad):
+def _run_step(wrun, grun, crun, scale, table, col_v, rv, acc_v, mrun, vrun, sc, zero_bad):
     """Pass one over a run of a block that stays in one row of V's view (its row factor ``rv``, its column
-    factors and sums ``col_v``/``acc_v`` from the run's first column; M columns ``c0 ..``): this step's M
+    factors and sums ``col_v``/``acc_v`` from the run's first column; its stored codes ``crun``): this step's M
     and V into ``mrun``/``vrun``, the decayed weight into ``wrun``, V's capped sums into ``acc_v``. Returns
-    the run's largest |M| (NaN as 0, at most bf16's largest), its V row sum and whether every gradient
-    element was finite."""
+    its V row sum and whether every gradient element was finite."""
     beta1, rest1, cap = sc.beta1, sc.rest1, sc.cap
     zero = sc.beta2 - sc.beta2
     keep_bad = not zero_bad
-    top = zero
     sum_v = zero
     any_bad = False
     for j in range(wrun.shape[0]):
         wj, gj, vj, finite = element(wrun[j], grun[j], col_v[j], rv, sc, keep_bad, zero)
         any_bad |= not finite
-        code = (codes_row[(c0 + j) >> 1] >> (((c0 + j) & 1) * 4)) & 15
-        mag = table[code & TOP_LEVEL] * scale
+        code = crun[j]
+        mag = ((code & np.uint8(TOP_LEVEL)) / table[TOP_LEVEL + 1]) * scale  # j/7 in the work dtype, as torch
         mj = beta1 * (-mag if code >= NEGATIVE else mag) + rest1 * gj
         mrun[j] = mj
         vrun[j] = vj
         wrun[j] = wj
-        a = abs(mj)
-        top = max(top, zero if a != a else min(a, SCALE_MAX))
         vs = capped(vj, cap)
         acc_v[j] += vs
         sum_v += vs
-    return top, sum_v, not any_bad
+    return sum_v, not any_bad
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _block_step(wseg, gseg, codes_row, c0, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, vbuf, sc,
-                zero_bad):
-    """Pass one over a block (elements ``start ..`` of the flattening, columns ``c0 ..`` of its M row), in
+def _block_step(wseg, gseg, cbuf, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, vbuf, sc, zero_bad):
+    """Pass one over a block (elements ``start ..`` of the flattening; its stored codes unpacked in ``cbuf``), in
     runs along rows of V's view (:func:`_run_step`); V's row sums into ``vsums`` (from V row ``v_row0``).
     Returns the block's largest |M| and whether every gradient element was finite."""
     m = col_v.shape[0]
-    top = sc.beta2 - sc.beta2
     all_finite = True
     k = 0
     while k < wseg.shape[0]:
         i = (start + k) // m
         jv = start + k - i * m
         end = min(wseg.shape[0], k + m - jv)
-        run_top, run_v, finite = _run_step(
-            wseg[k:end], gseg[k:end], codes_row, c0 + k, scale, table, col_v[jv : jv + end - k], row_v[i],
+        run_v, finite = _run_step(
+            wseg[k:end], gseg[k:end], cbuf[k:end], scale, table, col_v[jv : jv + end - k], row_v[i],
             acc_v[jv : jv + end - k], mbuf[k:end], vbuf[k:end], sc, zero_bad)
-        top = max(top, run_top)
         vsums[i - v_row0] += run_v
         all_finite &= finite
         k = end
-    return top, all_finite
+    return block_top(mbuf, table), all_finite
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _block_write(wseg, codes_row, c0, scale, table, mbuf, vbuf, sc):
-    """Pass two over a block: each element's code against the block's new ``scale`` (two per byte) and its
-    weight stepped with this step's uncompressed M and V."""
+def _block_write(wseg, cbuf, scale, table, mbuf, vbuf, sc):
+    """Pass two over a block: each element's code against the block's new ``scale`` into ``cbuf`` (a zero
+    scale: every level 0) and its weight stepped with this step's uncompressed M and V."""
     lr, eps = sc.lr, sc.eps
     width = wseg.shape[0]
-    for p in range(0, width, 2):
-        low = level_of(abs(mbuf[p]), scale, table) | (NEGATIVE if mbuf[p] < 0 else 0)
-        high = 0
-        if p + 1 < width:
-            high = level_of(abs(mbuf[p + 1]), scale, table) | (NEGATIVE if mbuf[p + 1] < 0 else 0)
-        codes_row[(c0 + p) >> 1] = np.uint8(low | (high << 4))
+    if scale > 0:
+        for j in range(width):
+            cbuf[j] = level_of(abs(mbuf[j]), scale, table) | (np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0))
+    else:
+        for j in range(width):
+            cbuf[j] = np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0)
     for j in range(width):
         wseg[j] = wseg[j] - lr * (mbuf[j] / (math.sqrt(vbuf[j]) + eps))
 
@@ -157,20 +194,23 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
         vbuf = np.empty(BLOCK, dtype=col_v.dtype)
         wbuf = np.empty(BLOCK, dtype=np.uint32)
         gbuf = np.empty(BLOCK, dtype=np.uint32)
+        cbuf = np.empty(BLOCK + 1, dtype=np.uint8)
         bad = 0
         for r in range(first, end):
             for c0 in range(0, cols, BLOCK):
                 start, width = r * cols + c0, min(BLOCK, cols - c0)
                 wseg = load(w, start, width, wbuf)
                 gseg = load(g, start, width, gbuf)
+                unpack_codes(codes[r], c0, width, cbuf)
                 top, all_finite = _block_step(
-                    wseg, gseg, codes[r], c0, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v, vsums,
-                    v_row0, start, mbuf[:width], vbuf[:width], sc, opts.zero_bad)
+                    wseg, gseg, cbuf, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v,
+                    vsums, v_row0, start, mbuf[:width], vbuf[:width], sc, opts.zero_bad)
                 if not all_finite:
                     bad += count_bad(gseg, sc.big)
                 stored = scale_bits(top)
                 scales[r, c0 // BLOCK] = stored
-                _block_write(wseg, codes[r], c0, scale_value(stored, one), table, mbuf[:width], vbuf[:width], sc)
+                _block_write(wseg, cbuf[:width], scale_value(stored, one), table, mbuf[:width], vbuf[:width], sc)
+                pack_codes(codes[r], c0, width, cbuf)
                 store(w, start, wseg, opts.sr)
         bad_counts[b] = bad
     # V's new factors from the blocks' sums (the old ones were read until here).
