@@ -36,8 +36,8 @@ def reference_nnmf_reconstruct(a: Tensor) -> Tensor:
 
 def reference_levels(m: Tensor, block: int = 128) -> Tensor:
     """M̂ of the block-levels code, element by element: each block of ``block`` elements of a row has the
-    scale max |M| (NaN as 0, at most bf16's largest) rounded to bf16; each element the level j/7 of it
-    nearest to |M| (ties up), with M's sign."""
+    scale max |M| (NaN as 0, at most bf16's largest) rounded to bf16; each element the level j·(scale·⅐)
+    nearest to |M|, j = floor(|M|·(7/scale) + ½) ≤ 7, with M's sign (fp64: Python floats round as the dtype)."""
     bf16_max = torch.finfo(torch.bfloat16).max
     out = torch.zeros_like(m)
     for i in range(m.shape[0]):
@@ -46,8 +46,8 @@ def reference_levels(m: Tensor, block: int = 128) -> Tensor:
             top = min(max((0.0 if math.isnan(x) else abs(x)) for x in part), bf16_max)
             scale = float(torch.tensor(top, dtype=torch.float32).to(torch.bfloat16))
             for k, x in enumerate(part):
-                level = 0 if scale == 0 or math.isnan(x) else min(7, math.floor(abs(x) / scale * 7 + 0.5))
-                value = torch.tensor(level, dtype=m.dtype) / 7 * scale
+                level = 0 if scale == 0 or math.isnan(x) else min(7, math.floor(abs(x) * (7 / scale) + 0.5))
+                value = level * (scale * (1 / 7))
                 out[i, b0 + k] = -value if x < 0 else value
     return out
 

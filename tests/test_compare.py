@@ -38,7 +38,7 @@ def test_data_loaders_are_deterministic() -> None:
         assert not torch.equal(first[0], other[0])
 
 
-@pytest.mark.parametrize("name", [*DEFAULT_OPTIMIZERS, "smmf-natural", "smmf-natural-flag"])
+@pytest.mark.parametrize("name", [*DEFAULT_OPTIMIZERS, "smmf-natural", "smmf-natural-flag", "smmf-recommended"])
 def test_every_optimizer_trains_the_cnn(name: str) -> None:
     result = train_one(TASKS["digits-cnn"], name, {}, steps=40, eval_every=40, seed=0, device=torch.device("cpu"),
                        show_progress=False)

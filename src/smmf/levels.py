@@ -2,9 +2,11 @@
 
 M is seen by rows of the parameter (dim 0 × the rest; a 1-D tensor is one row), each row cut into blocks
 of :data:`BLOCK` contiguous elements (the last one shorter). Per element: a sign bit and a 3-bit level
-``j``; per block: a bf16 scale, the block's largest |M|. The decoded magnitude is ``j/7 · scale``, and
-``j`` is the level nearest to ``|M| / scale`` (ties up). That is 4 bits per element plus 16 per block:
-4.125 bits per parameter, against the paper's ~1 (a sign bit and factors).
+``j``; per block: a bf16 scale, the block's largest |M|. The decoded magnitude is ``j · (scale · ⅐)``, and
+``j`` is the level nearest to ``|M| · (7 / scale)`` (ties up). That is 4 bits per element plus 16 per block:
+4.125 bits per parameter, against the paper's ~1 (a sign bit and factors). Each path computes the block's
+step ``scale · ⅐`` (⅐ rounded to the work dtype) and its inverse ``7 / scale`` once per block, in the work
+dtype, so that no element pays a division and every path rounds alike.
 
 Why this code (``docs/momentum-diagnosis.md``): sign × rank-1 gives small coordinates of M their row's
 and column's average, several times too large; a per-block scale with a few levels keeps each element's
@@ -21,13 +23,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "levels_shape", "codes_shape", "scales_shape", "encode_levels",
+__all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "SEVENTH", "levels_shape", "codes_shape", "scales_shape", "encode_levels",
            "decode_levels"]
 
 BLOCK = 128  # elements of a row that share a scale
 TOP_LEVEL = 7  # levels j = 0 .. 7: magnitudes j/7 of the block's scale (3 bits)
 NEGATIVE = 8  # the code's sign bit: set where M < 0
 SCALE_MAX = float(torch.finfo(torch.bfloat16).max)  # the largest scale, so that decoding stays finite
+SEVENTH = 1 / TOP_LEVEL  # a level's step is scale · SEVENTH (SEVENTH rounded to the work dtype)
 
 
 def levels_shape(real_shape: tuple[int, ...]) -> tuple[int, int]:
@@ -56,26 +59,28 @@ def block_scales(m: Tensor) -> Tensor:
     return padded.view(rows, -1, BLOCK).amax(dim=2).to(torch.float32).to(torch.bfloat16)
 
 
-def per_element(scales: Tensor, cols: int, dtype: torch.dtype) -> Tensor:
-    """The scales, each repeated over its block's elements: rows × cols in ``dtype``."""
-    return scales.to(dtype).repeat_interleave(BLOCK, dim=1)[:, :cols]
+def per_element(per_block: Tensor, cols: int) -> Tensor:
+    """A value per block, repeated over its block's elements: rows × cols."""
+    return per_block.repeat_interleave(BLOCK, dim=1)[:, :cols]
 
 
 def encode_levels(m: Tensor) -> tuple[Tensor, Tensor]:
     """``(codes, scales)`` of a rows × cols M (fp32 or fp64)."""
     rows, cols = m.shape
     scales = block_scales(m)
-    scale = per_element(scales, cols, m.dtype)
-    ratio = torch.where(scale > 0, m.abs() / torch.where(scale > 0, scale, 1.0), 0.0).nan_to_num_(nan=0.0)
-    level = (ratio * TOP_LEVEL + 0.5).floor_().clamp_(max=TOP_LEVEL).to(torch.uint8)
+    scale = scales.to(m.dtype)
+    # A tensor by a tensor: IEEE division, as the kernels divide (``7 / tensor`` multiplies by a reciprocal).
+    positive = torch.where(scale > 0, scale, 1.0)
+    inverse = per_element(torch.where(scale > 0, torch.full_like(scale, TOP_LEVEL) / positive, 0.0), cols)
+    level = (m.abs() * inverse + 0.5).nan_to_num_(nan=0.0).floor_().clamp_(max=TOP_LEVEL).to(torch.uint8)
     code = level | (m < 0).to(torch.uint8) * NEGATIVE
     code = torch.nn.functional.pad(code, (0, cols % 2))
     return code[:, 0::2] | (code[:, 1::2] << 4), scales
 
 
 def decode_levels(codes: Tensor, scales: Tensor, cols: int, dtype: torch.dtype) -> Tensor:
-    """M̂ (rows × cols in ``dtype``) from :func:`encode_levels`' output: ``±(j / 7) · scale``."""
+    """M̂ (rows × cols in ``dtype``) from :func:`encode_levels`' output: ``±j · (scale · ⅐)``."""
     rows = codes.shape[0]
     code = torch.stack([codes & 15, codes >> 4], dim=2).view(rows, -1)[:, :cols]
-    magnitude = (code & TOP_LEVEL).to(dtype) / TOP_LEVEL * per_element(scales, cols, dtype)
+    magnitude = (code & TOP_LEVEL).to(dtype) * per_element(scales.to(dtype) * SEVENTH, cols)
     return torch.where(code >= NEGATIVE, -magnitude, magnitude)

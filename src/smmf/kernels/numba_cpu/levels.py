@@ -18,7 +18,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from ...levels import BLOCK, NEGATIVE, SCALE_MAX, TOP_LEVEL
+from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
 from numba import types
 from numba.extending import overload
 
@@ -52,23 +52,25 @@ def scale_bits(top):
 
 def level_table(dtype: Any) -> np.ndarray:
     """The numbers of the code in the work dtype, so that the kernel computes in it as the torch path does
-    (numba would widen an fp32 times a Python number to fp64): the level values j/7 for j = 0 .. 7, then
-    7, 0.5 and the largest scale."""
-    levels = np.arange(TOP_LEVEL + 1, dtype=dtype) / dtype(TOP_LEVEL)
-    return np.concatenate([levels, np.array([TOP_LEVEL, 0.5, SCALE_MAX], dtype=dtype)])
+    (numba would widen an fp32 times a Python number to fp64): ⅐, 7, 0.5 and the largest scale."""
+    return np.array([SEVENTH, TOP_LEVEL, 0.5, SCALE_MAX], dtype=dtype)
+
+
+# Where each number lies in level_table's array.
+_SEVENTH, _SEVEN, _HALF, _SCALE_MAX = 0, 1, 2, 3
 
 
 @numba.njit(inline="always")
-def level_of(a, scale, table):
-    """The level j of |M| = ``a`` against a positive ``scale``: nearest of j/7 (ties up), 0 for NaN. Branch-free,
-    so that the loop over a block vectorizes."""
-    x = (a / scale) * table[TOP_LEVEL + 1] + table[TOP_LEVEL + 2]
-    x = x if x == x else table[0]  # NaN → level 0
-    return np.uint8(min(x, table[TOP_LEVEL + 1]))  # in [0, 7]: truncation is the floor
+def level_of(a, inverse, table):
+    """The level j of |M| = ``a`` under a block's ``inverse`` = 7 / scale (scale > 0): floor(a·inverse + ½) ≤ 7,
+    0 for NaN. Branch-free, so that the loop over a block vectorizes."""
+    x = a * inverse + table[_HALF]
+    x = x if x == x else table[_HALF] - table[_HALF]  # NaN → level 0
+    return np.uint8(min(x, table[_SEVEN]))  # in [0, 7]: truncation is the floor
 
 
 def block_top(mbuf, table):
-    """The largest |M| of a block (NaN counted as 0, at most the largest scale, ``table[10]``), by an integer
+    """The largest |M| of a block (NaN counted as 0, at most the largest scale), by an integer
     maximum over the bit patterns of |M| (for non-negative floats their order is the values'; NaN's lie above
     inf's and are dropped): unlike a float maximum, which must keep NaN, the loop vectorizes. Typed by
     :func:`_overload_block_top`."""
@@ -88,7 +90,7 @@ def _overload_block_top(mbuf, table):
         for j in range(bits.shape[0]):
             u = bits[j] & magnitude
             best = max(best, u if u <= infinity else uint(0))
-        return min(uint(best).view(float_), table[TOP_LEVEL + 3])
+        return min(uint(best).view(float_), table[_SCALE_MAX])
 
     return top
 
@@ -113,12 +115,14 @@ def pack_codes(codes_row, c0, width, cbuf):
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _run_step(wrun, grun, crun, scale, table, col_v, rv, acc_v, mrun, vrun, sc, zero_bad):
+def _run_step(wrun, grun, crun, step, col_v, rv, acc_v, mrun, sc, zero_bad):
     """Pass one over a run of a block that stays in one row of V's view (its row factor ``rv``, its column
-    factors and sums ``col_v``/``acc_v`` from the run's first column; its stored codes ``crun``): this step's M
-    and V into ``mrun``/``vrun``, the decayed weight into ``wrun``, V's capped sums into ``acc_v``. Returns
-    its V row sum and whether every gradient element was finite."""
-    beta1, rest1, cap = sc.beta1, sc.rest1, sc.cap
+    factors and sums ``col_v``/``acc_v`` from the run's first column; its stored codes ``crun``, a level
+    being worth ``step`` = scale·⅐): this step's M into ``mrun``, the weight stepped with it and V, V's
+    capped sums into ``acc_v``. Returns its V row sum and whether every gradient element was finite. (A
+    16-entry table of decoded values would save the multiply and select, but its gather stops LLVM from
+    vectorizing the loop: 2.4× slower.)"""
+    lr, beta1, rest1, eps, cap = sc.lr, sc.beta1, sc.rest1, sc.eps, sc.cap
     zero = sc.beta2 - sc.beta2
     keep_bad = not zero_bad
     sum_v = zero
@@ -127,11 +131,10 @@ def _run_step(wrun, grun, crun, scale, table, col_v, rv, acc_v, mrun, vrun, sc, 
         wj, gj, vj, finite = element(wrun[j], grun[j], col_v[j], rv, sc, keep_bad, zero)
         any_bad |= not finite
         code = crun[j]
-        mag = ((code & np.uint8(TOP_LEVEL)) / table[TOP_LEVEL + 1]) * scale  # j/7 in the work dtype, as torch
+        mag = (code & np.uint8(TOP_LEVEL)) * step
         mj = beta1 * (-mag if code >= NEGATIVE else mag) + rest1 * gj
         mrun[j] = mj
-        vrun[j] = vj
-        wrun[j] = wj
+        wrun[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
         vs = capped(vj, cap)
         acc_v[j] += vs
         sum_v += vs
@@ -139,7 +142,7 @@ def _run_step(wrun, grun, crun, scale, table, col_v, rv, acc_v, mrun, vrun, sc, 
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _block_step(wseg, gseg, cbuf, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, vbuf, sc, zero_bad):
+def _block_step(wseg, gseg, cbuf, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, sc, zero_bad):
     """Pass one over a block (elements ``start ..`` of the flattening; its stored codes unpacked in ``cbuf``), in
     runs along rows of V's view (:func:`_run_step`); V's row sums into ``vsums`` (from V row ``v_row0``).
     Returns the block's largest |M| and whether every gradient element was finite."""
@@ -151,8 +154,8 @@ def _block_step(wseg, gseg, cbuf, scale, table, col_v, row_v, acc_v, vsums, v_ro
         jv = start + k - i * m
         end = min(wseg.shape[0], k + m - jv)
         run_v, finite = _run_step(
-            wseg[k:end], gseg[k:end], cbuf[k:end], scale, table, col_v[jv : jv + end - k], row_v[i],
-            acc_v[jv : jv + end - k], mbuf[k:end], vbuf[k:end], sc, zero_bad)
+            wseg[k:end], gseg[k:end], cbuf[k:end], scale * table[_SEVENTH], col_v[jv : jv + end - k], row_v[i],
+            acc_v[jv : jv + end - k], mbuf[k:end], sc, zero_bad)
         vsums[i - v_row0] += run_v
         all_finite &= finite
         k = end
@@ -160,19 +163,17 @@ def _block_step(wseg, gseg, cbuf, scale, table, col_v, row_v, acc_v, vsums, v_ro
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _block_write(wseg, cbuf, scale, table, mbuf, vbuf, sc):
+def _codes_of(cbuf, scale, table, mbuf):
     """Pass two over a block: each element's code against the block's new ``scale`` into ``cbuf`` (a zero
-    scale: every level 0) and its weight stepped with this step's uncompressed M and V."""
-    lr, eps = sc.lr, sc.eps
-    width = wseg.shape[0]
+    scale: every level 0)."""
+    width = mbuf.shape[0]
     if scale > 0:
+        inverse = table[_SEVEN] / scale
         for j in range(width):
-            cbuf[j] = level_of(abs(mbuf[j]), scale, table) | (np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0))
+            cbuf[j] = level_of(abs(mbuf[j]), inverse, table) | (np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0))
     else:
         for j in range(width):
             cbuf[j] = np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0)
-    for j in range(width):
-        wseg[j] = wseg[j] - lr * (mbuf[j] / (math.sqrt(vbuf[j]) + eps))
 
 
 @numba.njit(inline="always", **_PASS)
@@ -183,7 +184,7 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
     ``row_acc_v`` (blocks × :func:`touched_v_rows`) and ``bad_counts``. Sums run in a fixed order for a
     given block layout (it depends on the thread count only)."""
     cols = geo.cols
-    one = table[TOP_LEVEL]  # 7/7: 1 in the work dtype
+    one = table[_SEVEN] / table[_SEVEN]  # 1 in the work dtype
     for b in numba.prange(bad_counts.shape[0]):
         first, end = b * geo.rows_per_block, min(geo.rows, (b + 1) * geo.rows_per_block)
         acc_v, vsums = col_acc_v[b], row_acc_v[b]
@@ -191,7 +192,6 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
         vsums[:] = 0
         v_row0 = (first * cols) // geo.m
         mbuf = np.empty(BLOCK, dtype=col_v.dtype)
-        vbuf = np.empty(BLOCK, dtype=col_v.dtype)
         wbuf = np.empty(BLOCK, dtype=np.uint32)
         gbuf = np.empty(BLOCK, dtype=np.uint32)
         cbuf = np.empty(BLOCK + 1, dtype=np.uint8)
@@ -204,12 +204,12 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
                 unpack_codes(codes[r], c0, width, cbuf)
                 top, all_finite = _block_step(
                     wseg, gseg, cbuf, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v,
-                    vsums, v_row0, start, mbuf[:width], vbuf[:width], sc, opts.zero_bad)
+                    vsums, v_row0, start, mbuf[:width], sc, opts.zero_bad)
                 if not all_finite:
                     bad += count_bad(gseg, sc.big)
                 stored = scale_bits(top)
                 scales[r, c0 // BLOCK] = stored
-                _block_write(wseg, cbuf[:width], scale_value(stored, one), table, mbuf[:width], vbuf[:width], sc)
+                _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width])
                 pack_codes(codes[r], c0, width, cbuf)
                 store(w, start, wseg, opts.sr)
         bad_counts[b] = bad

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...functional import StepConfig, store_factors_
-from ...levels import BLOCK, NEGATIVE, SCALE_MAX, TOP_LEVEL, levels_shape, scales_shape
+from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL, levels_shape, scales_shape
 from ...matrix import factor_sum_cap
 from ...state import CODES_M, COL_V, ROW_V, SCALES_M
 from . import table as tables  # V's tile shape, read at each launch (as the table launches do)
@@ -56,6 +56,7 @@ LEVEL_BLOCK = tl.constexpr(BLOCK)
 LEVEL_TOP = tl.constexpr(TOP_LEVEL)
 LEVEL_NEGATIVE = tl.constexpr(NEGATIVE)
 LEVEL_SCALE_MAX = tl.constexpr(SCALE_MAX)
+LEVEL_SEVENTH = tl.constexpr(SEVENTH)
 
 
 @triton.jit
@@ -112,20 +113,21 @@ def v_sums_kernel(w_ptr, g_ptr, row_v_ptr, col_v_ptr, row_part_ptr, col_part_ptr
 
 @triton.jit
 def decoded_momentum(codes, scale):
-    """M̂ from 4-bit codes and their block's scale: ±(j / 7)·scale (:func:`smmf.levels.decode_levels`)."""
-    magnitude = tl.math.div_rn((codes & LEVEL_TOP).to(tl.float32), 7.0) * scale
+    """M̂ from 4-bit codes and their block's scale: ±j·(scale·⅐) (:func:`smmf.levels.decode_levels`)."""
+    magnitude = (codes & LEVEL_TOP).to(tl.float32) * (scale * LEVEL_SEVENTH)
     return tl.where(codes >= LEVEL_NEGATIVE, -magnitude, magnitude)
 
 
 @triton.jit
 def encoded_momentum(m, scale):
-    """The 4-bit codes of M against its block's new ``scale``: the nearest level j of |M| / scale (ties up,
-    at most 7; 0 for NaN or a zero scale), with the sign bit where M < 0 (:func:`smmf.levels.encode_levels`)."""
+    """The 4-bit codes of M against its block's new ``scale``: j = floor(|M|·(7/scale) + ½), at most 7; 0 for
+    NaN or a zero scale; with the sign bit where M < 0 (:func:`smmf.levels.encode_levels`)."""
     positive = scale > 0
-    ratio = tl.where(positive, tl.math.div_rn(tl.abs(m), tl.where(positive, scale, 1.0)), 0.0)
-    ratio = tl.where(ratio != ratio, 0.0, ratio)
+    inverse = tl.where(positive, tl.math.div_rn(7.0, tl.where(positive, scale, 1.0)), 0.0)
+    x = tl.abs(m) * inverse + 0.5
+    x = tl.where(x != x, 0.0, x)
     # floor(min(x, 7)) == min(floor(x), 7), and x ≥ 0.5: the truncating cast is the floor.
-    level = tl.minimum(ratio * 7.0 + 0.5, 7.0).to(tl.int32)
+    level = tl.minimum(x, 7.0).to(tl.int32)
     return level | tl.where(m < 0, LEVEL_NEGATIVE, 0)
 
 
