@@ -96,12 +96,16 @@ def _overload_block_top(mbuf, table):
 
 
 @numba.njit(inline="always")
-def unpack_codes(codes_row, c0, width, cbuf):
-    """The 4-bit codes of columns ``c0 .. c0 + width`` (``c0`` even) into one byte each."""
+def unpack_codes(codes_row, c0, width, signed_levels):
+    """The 4-bit codes of columns ``c0 .. c0 + width`` (``c0`` even) as their signed levels ±j, in the work
+    dtype of ``signed_levels`` (a float loop over them vectorizes; one over bytes, mixed with floats, did not)."""
     src = codes_row[c0 >> 1 : (c0 + width + 1) >> 1]
+    one = signed_levels[0] - signed_levels[0] + 1
     for q in range(src.shape[0]):
-        cbuf[2 * q] = src[q] & np.uint8(15)
-        cbuf[2 * q + 1] = src[q] >> np.uint8(4)
+        low, high = src[q] & np.uint8(15), src[q] >> np.uint8(4)
+        level_low, level_high = (low & np.uint8(TOP_LEVEL)) * one, (high & np.uint8(TOP_LEVEL)) * one
+        signed_levels[2 * q] = -level_low if low >= NEGATIVE else level_low
+        signed_levels[2 * q + 1] = -level_high if high >= NEGATIVE else level_high
 
 
 @numba.njit(inline="always")
@@ -115,10 +119,10 @@ def pack_codes(codes_row, c0, width, cbuf):
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _run_step(wrun, grun, crun, step, col_v, rv, acc_v, mrun, sc, zero_bad):
+def _run_step(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_bad):
     """Pass one over a run of a block that stays in one row of V's view (its row factor ``rv``, its column
-    factors and sums ``col_v``/``acc_v`` from the run's first column; its stored codes ``crun``, a level
-    being worth ``step`` = scale·⅐): this step's M into ``mrun``, the weight stepped with it and V, V's
+    factors and sums ``col_v``/``acc_v`` from the run's first column; its stored signed levels ``lrun``, a
+    level being worth ``step`` = scale·⅐): this step's M into ``mrun``, the weight stepped with it and V, V's
     capped sums into ``acc_v``. Returns its V row sum and whether every gradient element was finite. (A
     16-entry table of decoded values would save the multiply and select, but its gather stops LLVM from
     vectorizing the loop: 2.4× slower.)"""
@@ -130,9 +134,7 @@ def _run_step(wrun, grun, crun, step, col_v, rv, acc_v, mrun, sc, zero_bad):
     for j in range(wrun.shape[0]):
         wj, gj, vj, finite = element(wrun[j], grun[j], col_v[j], rv, sc, keep_bad, zero)
         any_bad |= not finite
-        code = crun[j]
-        mag = (code & np.uint8(TOP_LEVEL)) * step
-        mj = beta1 * (-mag if code >= NEGATIVE else mag) + rest1 * gj
+        mj = beta1 * (lrun[j] * step) + rest1 * gj
         mrun[j] = mj
         wrun[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
         vs = capped(vj, cap)
@@ -142,8 +144,9 @@ def _run_step(wrun, grun, crun, step, col_v, rv, acc_v, mrun, sc, zero_bad):
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _block_step(wseg, gseg, cbuf, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, sc, zero_bad):
-    """Pass one over a block (elements ``start ..`` of the flattening; its stored codes unpacked in ``cbuf``), in
+def _block_step(wseg, gseg, lbuf, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, sc, zero_bad):
+    """Pass one over a block (elements ``start ..`` of the flattening; its stored codes as signed levels in
+    ``lbuf``), in
     runs along rows of V's view (:func:`_run_step`); V's row sums into ``vsums`` (from V row ``v_row0``).
     Returns the block's largest |M| and whether every gradient element was finite."""
     m = col_v.shape[0]
@@ -154,7 +157,7 @@ def _block_step(wseg, gseg, cbuf, scale, table, col_v, row_v, acc_v, vsums, v_ro
         jv = start + k - i * m
         end = min(wseg.shape[0], k + m - jv)
         run_v, finite = _run_step(
-            wseg[k:end], gseg[k:end], cbuf[k:end], scale * table[_SEVENTH], col_v[jv : jv + end - k], row_v[i],
+            wseg[k:end], gseg[k:end], lbuf[k:end], scale * table[_SEVENTH], col_v[jv : jv + end - k], row_v[i],
             acc_v[jv : jv + end - k], mbuf[k:end], sc, zero_bad)
         vsums[i - v_row0] += run_v
         all_finite &= finite
@@ -195,15 +198,16 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
         wbuf = np.empty(BLOCK, dtype=np.uint32)
         gbuf = np.empty(BLOCK, dtype=np.uint32)
         cbuf = np.empty(BLOCK + 1, dtype=np.uint8)
+        lbuf = np.empty(BLOCK + 1, dtype=col_v.dtype)
         bad = 0
         for r in range(first, end):
             for c0 in range(0, cols, BLOCK):
                 start, width = r * cols + c0, min(BLOCK, cols - c0)
                 wseg = load(w, start, width, wbuf)
                 gseg = load(g, start, width, gbuf)
-                unpack_codes(codes[r], c0, width, cbuf)
+                unpack_codes(codes[r], c0, width, lbuf)
                 top, all_finite = _block_step(
-                    wseg, gseg, cbuf, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v,
+                    wseg, gseg, lbuf, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v,
                     vsums, v_row0, start, mbuf[:width], sc, opts.zero_bad)
                 if not all_finite:
                     bad += count_bad(gseg, sc.big)
