@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -117,8 +116,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{name} lr×{scale:g} seed {seed}: " + ", ".join(f"{metric_at(result, f):.4f}" for f in POINTS),
                   flush=True)
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
-    command = "python benchmarks/confirm_code.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = f"Command: `{command}` (every shard), then `--report`  \nCode: commit {code_version()}\n\n" + report(runs)
+    codes = ", ".join(sorted({str(r.get("code")) for r in runs}))
+    text = ("Runs: `python benchmarks/confirm_code.py --shard 0/2` and `--shard 1/2` (two processes, one torch thread "
+            f"each; a run already in OUT/runs is skipped), then `--report`  \nCode of the runs: {codes}; tables "
+            f"written at {code_version()}\n\n" + report(runs))
     (out / "results.md").write_text(text)
     print(text)
     return 0

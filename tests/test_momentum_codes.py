@@ -224,3 +224,16 @@ def test_levels_are_refused_for_dtensor_params() -> None:
     fake = torch.zeros(4, 4).as_subclass(DTensor)
     with pytest.raises(RuntimeError, match="magnitude_bits=3 does not take DTensor"):
         refuse_sharded_levels(fake)
+
+
+def test_recommended_options_build_the_levels_code_and_are_read_only() -> None:
+    import smmf
+
+    model = _model()
+    opt = SMMF(model.parameters(), **smmf.RECOMMENDED)
+    _train(opt, model, 1)
+    assert all("codes_m" in opt.state[p] for p in model.parameters())
+    assert opt.param_groups[0]["weight_decay_mode"] == "adamw"  # decoupled decay: SMMF's default
+    with pytest.raises(TypeError):
+        smmf.RECOMMENDED["magnitude_bits"] = 0  # type: ignore[index]
+    assert SMMF(model.parameters(), **{**smmf.RECOMMENDED, "lr": 3e-4}).defaults["lr"] == 3e-4

@@ -138,9 +138,10 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     m = None
     if cfg.code is MomentumCode.LEVELS:
         # M by rows of the param; a sign and a level per element, a scale per block (smmf.levels).
-        codes, scales = state[CODES_M], state[SCALES_M]
+        codes, scales, beta1 = state[CODES_M], state[SCALES_M], cfg.beta1
+        assert beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
         m = decode_levels(codes, scales, g.numel() // max(codes.shape[0], 1), g.dtype)
-        m.mul_(cfg.beta1).add_(g.reshape(m.shape), alpha=1.0 - cfg.beta1)
+        m.mul_(beta1).add_(g.reshape(m.shape), alpha=1.0 - beta1)
         new_codes, new_scales = encode_levels(m)
         codes.copy_(new_codes)
         scales.copy_(new_scales)

@@ -192,6 +192,7 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     row_part, col_part = _v_sums(weight, grad, state, cfg)
     stochastic = cfg.stochastic_rounding and weight.dtype == torch.bfloat16
     blocks = rows * blocks_per_row
+    assert cfg.beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
     levels_step_kernel[(triton.cdiv(blocks, BLOCKS_PER_PROGRAM),)](
         weight, grad, state[CODES_M], state[SCALES_M], state[ROW_V], state[COL_V], bad, cols, m, blocks_per_row,
         blocks, cfg.lr, cfg.beta1, 1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2,

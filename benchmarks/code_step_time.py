@@ -1,0 +1,73 @@
+"""Interleaved A/B of the fused CPU step between codes of M, on the 52M GPT-2-like shape set, beside fused Adam.
+
+Rounds alternate the order of the optimizers (each a fresh process on the installed ``smmf``, warm numba cache:
+one untimed process per optimizer first), each timing the median of ``--steps`` steps after 3 warm-up steps.
+Prints every round, the median per optimizer and the ratios to the paper's code and to fused Adam. Run on a
+quiet machine; name the CPU with the figures.
+
+    python benchmarks/code_step_time.py --rounds 6 --steps 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+OPTIMIZERS = {
+    "SMMF (paper code)": "SMMF(params)",
+    "SMMF magnitude_bits=3": "SMMF(params, magnitude_bits=3)",
+    "Adam (fused)": "torch.optim.Adam(params, fused=True)",
+}
+
+CHILD = r"""
+import json, statistics, sys, time
+import torch
+from smmf import SMMF
+from smmf.bench.shapes import gpt2_like_shapes
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(s)) for s in gpt2_like_shapes()]
+for p in params:
+    p.grad = torch.randn_like(p)
+opt = eval(sys.argv[2])
+for _ in range(3):
+    opt.step()
+times = []
+for _ in range(int(sys.argv[1])):
+    start = time.perf_counter()
+    opt.step()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"median_s": statistics.median(times)}))
+"""
+
+
+def _time(build: str, steps: int) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(steps), build], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["median_s"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    for build in OPTIMIZERS.values():
+        _time(build, 1)  # compile and cache the kernels
+    medians: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
+    order = list(OPTIMIZERS.items())
+    for round_ in range(1, args.rounds + 1):
+        for name, build in order if round_ % 2 else order[::-1]:
+            medians[name].append(_time(build, args.steps))
+        print(f"round {round_}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()), flush=True)
+    summary = {name: statistics.median(m) for name, m in medians.items()}
+    paper, adam = summary["SMMF (paper code)"], summary["Adam (fused)"]
+    for name, median in summary.items():
+        print(f"{name}: median {median * 1e3:.1f} ms (best {min(medians[name]) * 1e3:.1f}), "
+              f"{median / paper:.3f}× the paper code, {median / adam:.3f}× fused Adam")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
