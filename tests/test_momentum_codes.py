@@ -226,7 +226,9 @@ def test_levels_are_refused_for_dtensor_params() -> None:
         refuse_sharded_levels(fake)
 
 
-def test_recommended_options_build_the_levels_code_and_are_read_only() -> None:
+def test_recommended_options_build_the_levels_code_and_copy() -> None:
+    import pickle
+
     import smmf
 
     model = _model()
@@ -234,6 +236,36 @@ def test_recommended_options_build_the_levels_code_and_are_read_only() -> None:
     _train(opt, model, 1)
     assert all("codes_m" in opt.state[p] for p in model.parameters())
     assert opt.param_groups[0]["weight_decay_mode"] == "adamw"  # decoupled decay: SMMF's default
-    with pytest.raises(TypeError):
-        smmf.RECOMMENDED["magnitude_bits"] = 0  # type: ignore[index]
+    assert copy.deepcopy(smmf.RECOMMENDED) == pickle.loads(pickle.dumps(smmf.RECOMMENDED)) == {"magnitude_bits": 3}
     assert SMMF(model.parameters(), **{**smmf.RECOMMENDED, "lr": 3e-4}).defaults["lr"] == 3e-4
+
+
+def test_levels_complex_vector_is_one_row() -> None:
+    """A complex vector's real view is (n, 2); its code is still one row of 2n (4.125 bits per real element)."""
+    p = torch.nn.Parameter(torch.randn(1000, dtype=torch.complex64))
+    opt = SMMF([p], **LEVELS)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.state[p]["codes_m"].shape == (1, 1000) and opt.state[p]["scales_m"].shape == (1, 16)
+
+
+def test_levels_state_loaded_from_strided_tensors_is_contiguous() -> None:
+    """A checkpoint may hold the 2-D codes and scales with any strides: they are loaded row-major, which the
+    kernels index, and the run continues as the uninterrupted one."""
+    model = _model()
+    opt = SMMF(model.parameters(), **LEVELS)
+    _train(opt, model, 2)
+    saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    for entry in saved["state"].values():
+        for key in ("codes_m", "scales_m"):
+            strided = torch.empty(tuple(reversed(entry[key].shape)), dtype=entry[key].dtype).t()
+            entry[key] = strided.copy_(entry[key])
+    _train(opt, model, 2, seed=1)
+    resumed = _model()
+    resumed.load_state_dict(saved_model)
+    again = SMMF(resumed.parameters(), **LEVELS)
+    again.load_state_dict(saved)
+    assert all(again.state[p]["codes_m"].is_contiguous() for p in resumed.parameters())
+    _train(again, resumed, 2, seed=1)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)

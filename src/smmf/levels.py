@@ -4,9 +4,11 @@ M is seen by rows of the parameter (dim 0 × the rest; a 1-D tensor is one row),
 of :data:`BLOCK` contiguous elements (the last one shorter). Per element: a sign bit and a 3-bit level
 ``j``; per block: a bf16 scale, the block's largest |M|. The decoded magnitude is ``j · (scale · ⅐)``, and
 ``j`` is the level nearest to ``|M| · (7 / scale)`` (ties up). That is 4 bits per element plus 16 per block:
-4.125 bits per parameter, against the paper's ~1 (a sign bit and factors). Each path computes the block's
-step ``scale · ⅐`` (⅐ rounded to the work dtype) and its inverse ``7 / scale`` once per block, in the work
-dtype, so that no element pays a division and every path rounds alike.
+4.125 bits per parameter where rows are whole blocks (a row of 9, as in a depthwise 3×3 conv, costs ~6),
+against the paper's ~1 (a sign bit and factors). Each path computes the block's step ``scale · ⅐`` (⅐ rounded
+to the work dtype) and its inverse ``7 / scale`` once per block, in the work dtype, so that no element pays a
+division; the paths then round alike but for fused multiply-adds (the numba kernel's), which can put an element
+a rounding apart in the next level now and then.
 
 Why this code (``docs/momentum-diagnosis.md``): sign × rank-1 gives small coordinates of M their row's
 and column's average, several times too large; a per-block scale with a few levels keeps each element's
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "SEVENTH", "levels_shape", "codes_shape", "scales_shape", "encode_levels",
+__all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "SEVENTH", "levels_shape", "levels_rows_cols", "codes_shape", "scales_shape", "encode_levels",
            "decode_levels"]
 
 BLOCK = 128  # elements of a row that share a scale
@@ -33,12 +35,18 @@ SCALE_MAX = float(torch.finfo(torch.bfloat16).max)  # the largest scale, so that
 SEVENTH = 1 / TOP_LEVEL  # a level's step is scale · SEVENTH (SEVENTH rounded to the work dtype)
 
 
-def levels_shape(real_shape: tuple[int, ...]) -> tuple[int, int]:
-    """The rows × cols view of M under this code: dim 0 × the rest; one row for a 0-D or 1-D tensor."""
-    numel = 1
-    for size in real_shape:
-        numel *= size
-    rows = real_shape[0] if len(real_shape) >= 2 else 1
+def levels_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:
+    """The rows × cols view of M under this code, for a param of ``shape`` whose real view has ``numel``
+    elements: dim 0 × the rest; one row for a 0-D or 1-D tensor (a complex vector too: its real view's pairs
+    stay in the one row)."""
+    rows = shape[0] if len(shape) >= 2 else 1
+    return (rows, numel // rows) if rows else (0, 0)
+
+
+def levels_rows_cols(codes: Tensor, numel: int) -> tuple[int, int]:
+    """The rows × cols view of M from its stored codes (one row of codes per row of M) and the real view's
+    ``numel``: what the kernels, which see only the real view, go by."""
+    rows = codes.shape[0]
     return (rows, numel // rows) if rows else (0, 0)
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import OrderedDict
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -40,13 +39,13 @@ __all__ = ["RECOMMENDED", "SMMF"]
 
 ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
-RECOMMENDED: Mapping[str, Any] = MappingProxyType({"magnitude_bits": 3})
+RECOMMENDED: dict[str, Any] = {"magnitude_bits": 3}
 """The options beyond the paper that we recommend, as ``SMMF`` keyword arguments:
 ``SMMF(params, **smmf.RECOMMENDED)``. The block-levels code of M (4.125 bits per parameter instead of ~1): on
 the language models we measured it keeps the early-training loss of a dense fp32 M where the paper's code and
 the natural shape do not (docs/beyond-the-paper.md has the figures, the tasks it was chosen on and the one it
 was confirmed on). Weight decay stays SMMF's default, decoupled as AdamW's. The default of ``SMMF`` stays the
-paper's algorithm. Read-only: ``dict(smmf.RECOMMENDED)`` gives a copy to change."""
+paper's algorithm. A plain dict (configs can copy and store it): take ``dict(smmf.RECOMMENDED)`` to change it."""
 WEIGHT_DECAY_MODES = ("adamw", "adam")
 NONFINITE_GRADS = ("zero", "propagate")
 # Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
@@ -521,7 +520,8 @@ class SMMF(Optimizer):
             param, options = param_of[pid]
             state = self.state[param]
             for key, spec in state_layout(param, options).items():
-                state[key] = saved[key].to(param.device, spec.dtype, copy=True)
+                # Contiguous: the kernels index the 2-D state (the levels code's) as row-major.
+                state[key] = saved[key].to(param.device, spec.dtype, copy=True, memory_format=torch.contiguous_format)
             state[STEP] = int(cast(Any, saved[STEP]))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -114,7 +114,7 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     layout: dict[str, TensorSpec] = {}
     if code is MomentumCode.LEVELS:
         refuse_sharded_levels(param)
-        m_rows, m_cols = levels_shape(tuple(real_view(param).shape))
+        m_rows, m_cols = levels_shape(tuple(param.shape), real_view(param).numel())
         layout[CODES_M] = TensorSpec(codes_shape(m_rows, m_cols), torch.uint8)
         layout[SCALES_M] = TensorSpec(scales_shape(m_rows, m_cols), torch.bfloat16)
     elif code is not MomentumCode.NONE:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ...functional import StepConfig
 from ...matrix import factor_sum_cap
-from ...levels import levels_shape
+from ...levels import levels_rows_cols
 from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
                       momentum_cols, real_view)
 from ..contract import FlagPass, StepItem
@@ -123,7 +123,7 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     """The step of a whole tensor (``weight`` contiguous) under the levels code (``magnitude_bits=3``)."""
     grad = grad.to(weight.dtype).contiguous()
     n, m = state[ROW_V].numel(), state[COL_V].numel()
-    rows, cols = levels_shape(tuple(real_view(weight).shape))
+    rows, cols = levels_rows_cols(state[CODES_M], real_view(weight).numel())
     parallel = n * m >= PARALLEL_MIN_NUMEL
     rows_per_block = max(1, -(-rows // (4 * numba.get_num_threads()))) if parallel else rows
     blocks = -(-rows // rows_per_block)

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...functional import StepConfig, store_factors_
-from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL, levels_shape, scales_shape
+from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL, levels_rows_cols, scales_shape
 from ...matrix import factor_sum_cap
 from ...state import CODES_M, COL_V, ROW_V, SCALES_M
 from . import table as tables  # V's tile shape, read at each launch (as the table launches do)
@@ -183,10 +183,10 @@ def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr
 def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, bad: Tensor) -> None:
     """One tensor's step under the levels code, in place: ``weight`` the param's real view, contiguous
     (fp32, bf16 or fp16), ``grad`` contiguous in its dtype; M's rows are ``weight``'s
-    (:func:`smmf.levels.levels_shape`). Adds the NaN/inf gradient elements met to the int32 counter
+    (:func:`smmf.levels.levels_rows_cols`). Adds the NaN/inf gradient elements met to the int32 counter
     ``bad`` when ``cfg.zero_nonfinite``. No host sync."""
     m = state[COL_V].numel()
-    rows, cols = levels_shape(tuple(weight.shape))
+    rows, cols = levels_rows_cols(state[CODES_M], weight.numel())
     blocks_per_row = scales_shape(rows, cols)[1]
     gsign, shrink, l2 = cfg.folded()
     row_part, col_part = _v_sums(weight, grad, state, cfg)
