@@ -115,9 +115,9 @@ PEERS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "adv-adamw-factored": ("AdamW_adv factored (adv_optm)", "adv_optm", "AdamW_adv", dict(state_precision="factored")),
 }
 
-# The paper's five. SMMF with M in the tensor's natural shape (the recommended option) is opt-in like
-# the flag variant, "adafactor-torch", "adamw" and the peers: with it the default run took 712 s on
-# 2 cores of an AMD EPYC, over the main job's 10-minute budget (the five: about 600 s).
+# The paper's five. SMMF's other codes of M ("smmf-recommended" among them) are opt-in like "adafactor-torch",
+# "adamw" and the peers: with one more SMMF row the default run took 712 s on 2 cores of an AMD EPYC, over
+# the main job's 10-minute budget (the five: about 600 s).
 DEFAULT_OPTIMIZERS = tuple(OPTIMIZERS)
 PAPER_SMMF = "smmf"
 RECOMMENDED_SMMF = "smmf-recommended"
