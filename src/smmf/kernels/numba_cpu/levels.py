@@ -96,11 +96,10 @@ def _overload_block_top(mbuf, table):
 
 
 @numba.njit(inline="always")
-def unpack_codes(codes_row, c0, width, signed_levels):
+def unpack_codes(codes_row, c0, width, signed_levels, one):
     """The 4-bit codes of columns ``c0 .. c0 + width`` (``c0`` even) as their signed levels ±j, in the work
-    dtype of ``signed_levels`` (a float loop over them vectorizes; one over bytes, mixed with floats, did not)."""
+    dtype (``one``'s; a float loop over them vectorizes, one over bytes mixed with floats did not)."""
     src = codes_row[c0 >> 1 : (c0 + width + 1) >> 1]
-    one = signed_levels[0] - signed_levels[0] + 1
     for q in range(src.shape[0]):
         low, high = src[q] & np.uint8(15), src[q] >> np.uint8(4)
         level_low, level_high = (low & np.uint8(TOP_LEVEL)) * one, (high & np.uint8(TOP_LEVEL)) * one
@@ -205,7 +204,7 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
                 start, width = r * cols + c0, min(BLOCK, cols - c0)
                 wseg = load(w, start, width, wbuf)
                 gseg = load(g, start, width, gbuf)
-                unpack_codes(codes[r], c0, width, lbuf)
+                unpack_codes(codes[r], c0, width, lbuf, one)
                 top, all_finite = _block_step(
                     wseg, gseg, lbuf, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v,
                     vsums, v_row0, start, mbuf[:width], sc, opts.zero_bad)
