@@ -16,31 +16,13 @@ import statistics
 import subprocess
 import sys
 
+from ab_step_time import CHILD  # the timed child process, shared with the A/B of two commits
+
 OPTIMIZERS = {
     "SMMF (paper code)": "SMMF(params)",
     "SMMF magnitude_bits=3": "SMMF(params, magnitude_bits=3)",
     "Adam (fused)": "torch.optim.Adam(params, fused=True)",
 }
-
-CHILD = r"""
-import json, statistics, sys, time
-import torch
-from smmf import SMMF
-from smmf.bench.shapes import gpt2_like_shapes
-torch.manual_seed(0)
-params = [torch.nn.Parameter(torch.randn(s)) for s in gpt2_like_shapes()]
-for p in params:
-    p.grad = torch.randn_like(p)
-opt = eval(sys.argv[2])
-for _ in range(3):
-    opt.step()
-times = []
-for _ in range(int(sys.argv[1])):
-    start = time.perf_counter()
-    opt.step()
-    times.append(time.perf_counter() - start)
-print(json.dumps({"median_s": statistics.median(times)}))
-"""
 
 
 def _time(build: str, steps: int) -> float:
