@@ -35,6 +35,18 @@ def prefetch_lines(array, start, length):
         _prefetch(array, k)
 
 
+@numba.njit(inline="always")
+def nearest_even(u):
+    """The fp32 bit pattern ``u`` (not NaN) plus what rounds its top 16 bits to nearest even when truncated."""
+    return u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+
+
+@numba.njit(inline="always")
+def bf16_bits(u):
+    """The top 16 bits of the fp32 bit pattern ``u`` (after rounding it): bf16, as int16 bits."""
+    return np.int16(np.int32(u >> np.uint32(16)) - (65536 if (u >> np.uint32(31)) else 0))
+
+
 def load(src, start, length, buf):
     """``src[start : start + length]`` as float: in place for fp32/fp64, for bf16 (int16 bit patterns)
     converted into ``buf`` (uint32, at least ``length``). Typed by :func:`_overload_load`."""
@@ -71,8 +83,8 @@ def _overload_store(dst, start, row, sr):
                 elif sr:
                     u = u + np.uint32(np.random.randint(0, 65536))  # stochastic rounding
                 else:
-                    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))  # nearest even
-                dst[start + j] = np.int16(np.int32(u >> np.uint32(16)) - (65536 if (u >> np.uint32(31)) else 0))
+                    u = nearest_even(u)
+                dst[start + j] = bf16_bits(u)
 
         return store_bf16
     return lambda dst, start, row, sr: None

@@ -22,7 +22,7 @@ from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
 from numba import types
 from numba.extending import overload
 
-from .access import load, store
+from .access import bf16_bits, load, nearest_even, store
 from .cache import FASTMATH, KERNEL_OPTIONS, cached_njit
 from .elements import capped, count_bad, element
 from .passes import _finish_cols
@@ -45,9 +45,7 @@ def scale_value(bits, one):
 @numba.njit(inline="always")
 def scale_bits(top):
     """The largest |M| of a block (finite, ≥ 0) rounded to bf16 through fp32, nearest even: its int16 bits."""
-    u = np.float32(top).view(np.uint32)
-    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-    return np.int16(np.int32(u >> np.uint32(16)) - (65536 if (u >> np.uint32(31)) else 0))
+    return bf16_bits(nearest_even(np.float32(top).view(np.uint32)))
 
 
 def level_table(dtype: Any) -> np.ndarray:
