@@ -188,7 +188,7 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
         rows, cols = matrix_shape(param)
         got, need = (state[ROW_V].shape[0], state[COL_V].shape[0]), (rows, cols)
         if got == need and CODES_M in state:  # the levels code's rows × cols
-            got, need = tuple(state[CODES_M].shape), state_layout(param, group)[CODES_M].shape
+            got, need = tuple(state[CODES_M].shape), codes_shape(*levels_shape(tuple(param.shape), real.numel()))
         if got == need and ROW_M in state:  # M's own view (natural shape) must fit too
             got, need = (state[ROW_M].shape[0], state[COL_M].shape[0]), momentum_matrix_shape(param, group)
             if got != need and any(got == momentum_matrix_shape(param, {**group, "momentum_shape": shape})
