@@ -95,6 +95,28 @@ class _EndOfReentrant:
         self.owner._reentrant_open.pop(self.graph_task, None)
 
 
+# The attribute by which a hooked param keeps its StepInBackward alive (see _Hook).
+_KEEPS_ALIVE = "_smmf_step_in_backward"
+
+
+class _Hook:
+    """The hook a param holds: its handle by weak reference. Autograd keeps a param's hooks where the
+    garbage collector cannot see them, so a strong reference there (param → hook → handle → optimizer
+    → param) would make a cycle that is never collected: a model dropped with its optimizer would stay
+    in memory. The param keeps the handle alive instead through an attribute (:data:`_KEEPS_ALIVE`),
+    which the collector does see."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: "StepInBackward") -> None:
+        self.handle = weakref.ref(handle)
+
+    def __call__(self, param: Tensor) -> None:
+        handle = self.handle()
+        if handle is not None:
+            handle._hook(param)
+
+
 class StepInBackward:
     """The hooks :func:`step_in_backward` registered: :meth:`remove` restores the ordinary loop,
     :meth:`reset` discards a window a failed backward left open."""
@@ -145,7 +167,8 @@ class StepInBackward:
             if frozen:
                 param.requires_grad_(True)
             try:
-                self._handles[param] = param.register_post_accumulate_grad_hook(self._hook)
+                self._handles[param] = param.register_post_accumulate_grad_hook(_Hook(self))
+                setattr(param, _KEEPS_ALIVE, self)
             finally:
                 if frozen:
                     param.requires_grad_(False)
@@ -154,8 +177,10 @@ class StepInBackward:
         """Unhook: ``step()`` and ``zero_grad()`` act again; gradients accumulated in an unfinished
         window stay in ``.grad`` for the ordinary loop to use."""
         with self._lock:
-            for handle in self._handles.values():
+            for param, handle in self._handles.items():
                 handle.remove()
+                if getattr(param, _KEEPS_ALIVE, None) is self:
+                    delattr(param, _KEEPS_ALIVE)
             self._handles = {}
             if self.active:
                 self.optimizer._step_in_backward = None
