@@ -1,92 +1,97 @@
-"""Tile sizes of the Triton kernel, tried on a GPU: median SMMF(triton) step per shape set for each
-candidate geometry, in one run, as JSON. ``--atomic FILE`` also times an earlier kernel that summed
-with atomics (a module exposing ``triton_step_``) on the sets' shapes that it covers, to measure
-what the deterministic reduction costs.
+"""The Triton step's geometry, tried on a GPU: every candidate (tile shape, warps, 16-byte hints, a
+register cap, band height) timed round-robin with ``AdamW(fused=True)`` and the in-place axpy over
+the same params, in one run, per shape set and weight dtype; JSON with the medians and the ratios.
+A candidate that fails to compile or run is left out, with its error in the JSON.
 
-    python benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B [--atomic old_kernel.py]
+    python benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B --dtypes float32,bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-from typing import Any
+import sys
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
-import smmf.optimizer as optimizer_module
 from smmf import SMMF
+from smmf.bench.bench import SHAPE_SETS, _timed, copy_bandwidth
 from smmf.bench.shapes import make_params
-from smmf.bench.bench import SHAPE_SETS, _timed
-from smmf.kernels import triton_gpu
 from smmf.kernels.triton_gpu import table
-from smmf.matrix import square_matricize_shape
 
 DEFAULT = dict(BLOCK_ROWS=table.BLOCK_ROWS, BLOCK_COLS=table.BLOCK_COLS, WARPS=table.WARPS,
-               BAND_ROWS=table.BAND_ROWS)
+               BAND_ROWS=table.BAND_ROWS, VECTOR_HINTS=table.VECTOR_HINTS, MAX_REGISTERS=table.MAX_REGISTERS,
+               PIPELINE_STAGES=table.PIPELINE_STAGES)
 CANDIDATES: dict[str, dict[str, Any]] = {
     "default": {},
-    # The default spills (255 registers and 328-1184 B of stack per thread, tests/triton_compile.py);
-    # 16 x 128 on 8 warps compiles without spills for every code of M.
-    "BR16-BC128-w8": dict(BLOCK_ROWS=16, BLOCK_COLS=128, WARPS=8),
-    "BR16-BC128-w4": dict(BLOCK_ROWS=16, BLOCK_COLS=128, WARPS=4),
-    "BR32-BC128-w4": dict(BLOCK_ROWS=32, BLOCK_COLS=128, WARPS=4),
-    "BR16-BC256-w8": dict(BLOCK_ROWS=16, BLOCK_COLS=256, WARPS=8),
-    "BR8-BC512-w8": dict(BLOCK_ROWS=8, BLOCK_COLS=512, WARPS=8),
-    "BR16-BC512-w8": dict(BLOCK_ROWS=16, BLOCK_COLS=512, WARPS=8),
-    "band 128 rows": dict(BAND_ROWS=128),
-    "band 1024 rows": dict(BAND_ROWS=1024),
+    "32x128 w8, no hints (the earlier geometry)": dict(BLOCK_ROWS=32, BLOCK_COLS=128, WARPS=8, VECTOR_HINTS=False,
+                                                       PIPELINE_STAGES=1),
+    "8x128 w8, 1 stage": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=1),
+    "8x128 w8, 96 registers": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, MAX_REGISTERS=96, PIPELINE_STAGES=1),
+    "8x128 w8, 2 stages": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=2),
+    "8x128 w8, 3 stages": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=3),
+    "8x128 w8, 2 stages, 96 registers": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=2, MAX_REGISTERS=96),
+    "8x128 w8, 3 stages, 80 registers": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=3, MAX_REGISTERS=80),
+    "16x128 w8, 2 stages": dict(BLOCK_ROWS=16, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=2),
 }
+ADAMW = "AdamW(fused)"
+AXPY = "axpy (limit)"
 
 
-def _configure(candidate: dict[str, Any]) -> None:
+def configure(candidate: dict[str, Any]) -> None:
     for name, value in (DEFAULT | candidate).items():
         setattr(table, name, value)
-    table.layout.cache_clear()
 
 
-def median_step(opt: torch.optim.Optimizer, repeats: int) -> float:
-    for _ in range(2):
-        opt.step()
-    return statistics.median(_timed(opt.step, "cuda") for _ in range(repeats))
+def _candidate_step(opt: torch.optim.Optimizer, candidate: dict[str, Any]) -> None:
+    configure(candidate)
+    opt.step()
+
+
+def time_set(set_name: str, dtype: torch.dtype, repeats: int, device: str = "cuda") -> dict[str, Any]:
+    params = make_params(SHAPE_SETS[set_name](), device=device, dtype=dtype)
+    steps: dict[str, Callable[[], object]] = {}
+    adamw = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    steps[ADAMW] = adamw.step
+    for name, candidate in CANDIDATES.items():
+        steps[name] = partial(_candidate_step, SMMF(params, lr=1e-6, backend="triton"), candidate)
+    numel = sum(p.numel() for p in params)
+    a, b = torch.zeros(numel, device=device, dtype=dtype), torch.ones(numel, device=device, dtype=dtype)
+    steps[AXPY] = partial(a.add_, b, alpha=1e-9)
+    failed = {}
+    for name, step in list(steps.items()):  # state, compilation and layouts are not timed
+        try:
+            for _ in range(2):
+                step()
+        except Exception as error:  # noqa: BLE001 (a candidate the compiler or the GPU refuses)
+            failed[name] = repr(error)
+            del steps[name]
+    configure({})
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(_timed(step, device))
+    configure({})
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return dict(params=numel, ms=ms, over_fused_adamw={name: t / ms[ADAMW] for name, t in ms.items()}, failed=failed)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sets", default="gpt2-52M,gpt2-xl-1.3B")
+    parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--atomic", help="an earlier kernel module with triton_step_, timed for comparison")
     args = parser.parse_args()
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "ms": {}}
-    for set_name in args.sets.split(","):
-        params = make_params(SHAPE_SETS[set_name](), device="cuda")
-        row: dict[str, float] = {}
-        for name, candidate in CANDIDATES.items():
-            _configure(candidate)
-            row[name] = 1e3 * median_step(SMMF(params, backend="triton"), args.repeats)
-        _configure({})
-        if args.atomic:
-            # Only the tensors the old kernel covers (width a multiple of 8), both kernels alike.
-            covered = [p for p in params if square_matricize_shape(p.numel())[1] % 8 == 0]
-            spec = importlib.util.spec_from_file_location("atomic_kernel", args.atomic)
-            module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
-            opt = SMMF(covered, backend="triton")
-            row["deterministic, batched, covered tensors"] = 1e3 * median_step(opt, args.repeats)
-            one_at_a_time = lambda p, g, st, cfg: triton_gpu.triton_step_(p, g, st, cfg)  # noqa: E731 (one tensor per launch)
-            for name, kernel in [("deterministic, one launch per tensor", one_at_a_time),
-                                 ("atomic (old), one launch per tensor", module.triton_step_)]:
-                original = optimizer_module.step_kernel
-                optimizer_module.step_kernel = lambda backend, p, st, k=kernel: k  # type: ignore[misc]
-                try:
-                    row[name + ", covered tensors"] = 1e3 * median_step(SMMF(covered, backend="triton"), args.repeats)
-                finally:
-                    optimizer_module.step_kernel = original
-        results["ms"][set_name] = row
-        del params
-        torch.cuda.empty_cache()
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bytes_per_second": copy_bandwidth("cuda"),
+                               "candidates": CANDIDATES, "default": DEFAULT, "sets": {}}
+    for dtype_name in args.dtypes.split(","):
+        for set_name in args.sets.split(","):
+            results["sets"][f"{set_name} {dtype_name}"] = time_set(set_name, getattr(torch, dtype_name), args.repeats)
+            torch.cuda.empty_cache()
+            print(json.dumps({set_name: results["sets"][f"{set_name} {dtype_name}"]["ms"]}), file=sys.stderr, flush=True)
     print(json.dumps(results, indent=2))
 
 

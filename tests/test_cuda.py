@@ -174,8 +174,8 @@ def _cuda_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("options", [{}, {"momentum_shape": "natural"}, {"magnitude_bits": 1}],
-                         ids=["paper", "natural", "flag"])
+@pytest.mark.parametrize("options", [{}, {"momentum_shape": "natural"}, {"magnitude_bits": 1}, {"magnitude_bits": 3}],
+                         ids=["paper", "natural", "flag", "levels"])
 def test_step_in_backward_on_cuda_equals_the_loop(k: int, options: dict) -> None:
     """The hooks fire on the autograd engine's CUDA thread: the Triton step there equals the loop's."""
     from smmf import step_in_backward
@@ -222,3 +222,24 @@ def test_a_compiled_training_step_on_cuda_equals_eager() -> None:
         return [p.detach().clone() for p in net.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+def test_a_param_off_16_bytes_takes_the_plain_loads_and_matches() -> None:
+    """A param viewed at an odd offset of its storage cannot be read 16 bytes at a time: the launch
+    leaves out the hints (host._vector) and the step still matches the torch path."""
+    from smmf.kernels.triton_gpu import triton_step_
+    from smmf.kernels.triton_gpu.host import _vector
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    storage = torch.randn(1 + 640 * 256, device="cuda", generator=gen)
+    p = storage[1:].view(640, 256)
+    state = init_state(p, {"beta": 0.9, "vector_reshape": True})
+    assert not _vector(p, p, state, 256, 0, p.numel())
+    for step in range(1, 4):
+        g = torch.randn(p.shape, device="cuda", generator=gen)
+        q, fused_state = p.clone(), copy.deepcopy(state)
+        torch_step_(q, g, state, _cfg(step))
+        triton_step_(p, g, fused_state, _cfg(step))
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        state = fused_state
+

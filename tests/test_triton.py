@@ -36,3 +36,22 @@ def test_every_kernel_variant_compiles_for_a_gpu() -> None:
 
     report = compile_all(90)
     assert len(report) == len(variants()) > 30
+
+
+def test_the_16_byte_hints_are_given_only_where_they_hold() -> None:
+    """The step kernel is told rows start on 8 elements and tensors on 16 bytes only when both hold:
+    a wrong hint would read misaligned vectors on a GPU."""
+    import torch
+
+    from smmf.kernels.triton_gpu.host import _vector
+    from smmf.state import init_state
+
+    storage = torch.zeros(1 + 64 * 256)
+    aligned, offset = storage[:-1].view(64, 256), storage[1:].view(64, 256)
+    state = init_state(aligned, {"beta": 0.9, "vector_reshape": True})
+    assert _vector(aligned, aligned, state, 256, 0, aligned.numel())
+    assert not _vector(offset, aligned, state, 256, 0, aligned.numel())  # the weight 4 bytes off
+    assert not _vector(aligned, offset, state, 256, 0, aligned.numel())  # the gradient
+    assert not _vector(aligned, aligned, state, 252, 0, aligned.numel())  # rows not whole vectors
+    assert not _vector(aligned, aligned, state, 256, 4, aligned.numel())  # a shard starting mid-vector
+    assert not _vector(aligned, aligned, state, 256, 0, aligned.numel() - 4)  # or ending there

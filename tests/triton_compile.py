@@ -10,6 +10,7 @@ import argparse
 import inspect
 import itertools
 import os
+import re
 import subprocess
 import tempfile
 from typing import Any
@@ -35,19 +36,24 @@ LEVELS_STEP_ARGS = dict(codes_ptr="*u8", scales_ptr="*bf16", row_v_ptr="*fp32", 
                         cols="i32", m="i32", blocks_per_row="i32", blocks="i32", lr="fp32", beta1="fp32", rest1="fp32",
                         eps="fp32", seed="i32", **_LEVELS_SCALARS)
 # Options a kernel is launched with beyond its warps.
-LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS}
+LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS,
+                  step.step_kernel: dict(maxnreg=table.MAX_REGISTERS) if table.MAX_REGISTERS else {}}
 
 
 def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     """(label, kernel, argument types, constexprs, warps) for each specialization a launch can make."""
     out = []
-    for dtype, has_m, aligned, natural, flag in itertools.product(
-            (tl.float32, tl.bfloat16, tl.float16), (True, False), (True, False), (False, True), (False, True)):
+    for dtype, has_m, aligned, vector, shard, natural, flag in itertools.product(
+            (tl.float32, tl.bfloat16, tl.float16), (True, False), (True, False), (True, False), (False, True),
+            (False, True), (False, True)):
         if not has_m and (not aligned or natural or flag):
-            continue  # without a first moment there are no bits: one variant
-        consts = dict(W_DTYPE=dtype, HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=dtype == tl.bfloat16, ZERO_BAD=True,
-                      NATURAL=natural, FLAG=flag, **TILES)
-        label = f"step {dtype} m={has_m} aligned={aligned} natural={natural} flag={flag}"
+            continue  # without a first moment there are no bits: aligned, with or without 16-byte hints
+        if vector and not aligned:
+            continue  # 16-byte rows are whole sign bytes
+        consts = dict(W_DTYPE=dtype, HAS_M=has_m, ALIGNED=aligned, VECTOR=vector, SHARD=shard,
+                      STOCHASTIC=dtype == tl.bfloat16, ZERO_BAD=True, NATURAL=natural, FLAG=flag,
+                      STAGES=table.PIPELINE_STAGES, **TILES)
+        label = f"step {dtype} m={has_m} aligned={aligned} vector={vector} shard={shard} natural={natural} flag={flag}"
         out.append((label, step.step_kernel, STEP_ARGS, consts, table.WARPS))
     for flag in (False, True):
         consts = dict(W_DTYPE=tl.float32, ZERO_BAD=True, FLAG=flag, **TILES)
@@ -84,8 +90,24 @@ def resources(cubin: bytes) -> str:
     return " ".join(field for field in usage if field.split(":")[0] in ("REG", "STACK", "SHARED"))
 
 
+def loop_instructions(ptx: str) -> int:
+    """PTX instructions in the kernel's longest loop (a label and the last branch back to it): what a
+    thread runs per tile of the step kernels. 0 without a loop."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    labels = {found.group(1): i for i, found in enumerate(re.match(r"(\$L\w+):", line) for line in lines) if found}
+    longest = 0
+    for j, line in enumerate(lines):
+        target = re.search(r"\bbra(?:\.uni)?\s+(\$L\w+);", line)
+        if target and labels.get(target.group(1), j) < j:
+            body = lines[labels[target.group(1)]:j + 1]
+            longest = max(longest, sum(1 for x in body if x and x[0].isalpha() or x.startswith("@")))
+    return longest
+
+
 def compile_all(arch: int = 90) -> list[tuple[str, str]]:
-    """Build every variant for ``sm_<arch>``; raises on the first that does not compile."""
+    """Build every variant for ``sm_<arch>``; raises on the first that does not compile. Beside the
+    resources, for kernels that walk BR × BC tiles: thread instructions per element of a tile
+    (the loop's PTX instructions × threads / (BR·BC)), the proxy for a step's issue cost."""
     report = []
     for label, kernel, arg_types, consts, warps in variants():
         names = inspect.signature(kernel.fn).parameters
@@ -93,7 +115,11 @@ def compile_all(arch: int = 90) -> list[tuple[str, str]]:
         options = {"num_warps": warps, **LAUNCH_OPTIONS.get(kernel, {})}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                                   target=GPUTarget("cuda", arch, 32), options=options)
-        report.append((label, resources(compiled.asm["cubin"])))
+        usage = resources(compiled.asm["cubin"])
+        if "BR" in consts and "BC" in consts:
+            per_element = loop_instructions(compiled.asm["ptx"]) * 32 * warps / (consts["BR"] * consts["BC"])
+            usage += f" INSTR/ELEM:{per_element:.1f}"
+        report.append((label, usage))
     return report
 
 

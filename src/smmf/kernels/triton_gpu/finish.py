@@ -45,7 +45,10 @@ def finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.
     divided unless ``NORMALIZE``), in a fixed order, KB partials at a time; into the state, or with
     ``TO_SCRATCH`` into the partial buffer at ``T_NEW_M_AT`` (the magnitude flag's new factors, which the
     step kernel encodes against while it still decodes with the old ones). Programs (t, MOMENTS …)
-    copy an unaligned tensor's sign scratch (and under ``FLAG`` its flag scratch) over its bytes."""
+    copy an unaligned tensor's sign scratch (and under ``FLAG`` its flag scratch) over its bytes.
+    Divisions here are IEEE (``div_rn``): a total near the float32 maximum is a legal factor sum (each
+    element's share is capped, not the total), and the GPU's fast division returns 0 for divisors
+    above 2^126."""
     t = tl.program_id(0)
     j = tl.program_id(1)
     row = meta_ptr + t.to(tl.int64) * META_COLUMNS
@@ -93,7 +96,8 @@ def finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.
             s = tl.zeros((KB, BLOCK), dtype=tl.float32)
             for b0 in range(0, bands, KB):
                 s += tl.load(cols_part + (b0 + kk) * m + idx, mask=(idx < m) & (b0 + kk < bands), other=0.0)
-            tl.store(cols_out + c0 + tl.arange(0, BLOCK), tl.sum(s, axis=0) / grand, mask=c0 + tl.arange(0, BLOCK) < m)
+            tl.store(cols_out + c0 + tl.arange(0, BLOCK), tl.math.div_rn(tl.sum(s, axis=0), grand),
+                     mask=c0 + tl.arange(0, BLOCK) < m)
     elif (m % 8 != 0) | (lo % 8 != 0):
         nbytes = (hi - lo + 7) // 8
         copy_bytes(tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + T_WORDS_AT), nbytes,
@@ -132,5 +136,5 @@ def flag_finish_kernel(meta_ptr, partial_ptr, BLOCK: tl.constexpr):
     kind = tl.arange(0, 2)[None, :]
     fit = tl.sum(tl.where(kind == 0, by_level, 0.0), axis=1)
     energy = tl.sum(tl.where(kind == 1, by_level, 0.0), axis=1)
-    levels = tl.where(energy > 0, fit / tl.where(energy > 0, energy, 1.0), 0.0)
+    levels = tl.where(energy > 0, tl.math.div_rn(fit, tl.where(energy > 0, energy, 1.0)), 0.0)
     tl.store(tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32)) + tl.arange(0, 2), levels)

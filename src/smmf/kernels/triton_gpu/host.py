@@ -28,6 +28,14 @@ def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def _vector(weight: Tensor, grad: Tensor, state: dict[str, Any], m: int, lo: int, hi: int) -> bool:
+    """Whether the step kernel may take the elements lo .. hi of an n×m matrix 16 bytes at a time: every
+    row segment starts and ends on a multiple of 8 elements, and the weight, the gradient and the column
+    factors it reads start on 16 bytes (a param viewed at an odd offset of its storage does not)."""
+    vectors = [weight, grad, state[COL_V]] + ([state[COL_M]] if COL_M in state else [])
+    return m % 8 == 0 and lo % 8 == 0 and hi % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in vectors)
+
+
 def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
     """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch per distinct
     (dtype, cfg, alignment) among them; under the levels code (``magnitude_bits=3``), the launches of
@@ -51,19 +59,20 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
             levels_items.append((weight, g, state, cfg))
             continue
         # Without a first moment there are no sign bits, and every tensor takes the aligned code.
-        m = matrix_shape(weight)[1]
+        n, m = matrix_shape(weight)
         aligned = cfg.beta1 is None or m % 8 == 0
         natural = momentum_cols(state, m) != m
-        key = (*_config_key(cfg, weight.dtype), aligned, natural, cfg.code is MomentumCode.FLAG)
+        key = (*_config_key(cfg, weight.dtype), aligned, _vector(weight, g, state, m, 0, n * m), natural,
+               cfg.code is MomentumCode.FLAG)
         launches.setdefault(key, []).append((weight, g, state, cfg))
     if not launches and not levels_items:
         return None
     bad = torch.zeros(1, dtype=torch.int32, device=items[0][0].device)
-    for (dtype, *_, stochastic, aligned, natural, flag), tensors in launches.items():
+    for (dtype, *_, stochastic, aligned, vector, natural, flag), tensors in launches.items():
         spans = tuple((n, m, 0, n * m, momentum_cols(state, m), flag)
                       for (n, m), state in ((matrix_shape(w), st) for w, _, st, _ in tensors))
-        _launch(tensors, spans, bad, dtype=dtype, stochastic=stochastic, aligned=aligned, normalize=True,
-                natural=natural, flag=flag)
+        _launch(tensors, spans, bad, dtype=dtype, stochastic=stochastic, aligned=aligned, vector=vector,
+                normalize=True, natural=natural, flag=flag)
     for weight, g, state, cfg in levels_items:
         launch_levels(weight, g, state, cfg, bad)
     for weight, copy in copies_back:
@@ -101,9 +110,11 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
         m_cols = momentum_cols(state, m)
         flag = flag_pass is not None
-        _launch([(weight, grad, state, cfg)], ((n, m, start, start + weight.numel(), m_cols, flag),), bad,
+        end = start + weight.numel()
+        _launch([(weight, grad, state, cfg)], ((n, m, start, end, m_cols, flag),), bad,
                 dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
-                aligned=aligned, normalize=False, natural=m_cols != m, flag=flag, flag_pass=flag_pass)
+                aligned=aligned, vector=_vector(weight, grad, state, m, start, end), normalize=False,
+                natural=m_cols != m, flag=flag, flag_pass=flag_pass)
     elif flag_pass is None or flag_pass.number == 1:  # nothing held: no sums to contribute
         for key in (ROW_V, COL_V) if flag_pass else (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
@@ -123,6 +134,7 @@ def _launch(
     dtype: torch.dtype,
     stochastic: bool,
     aligned: bool,
+    vector: bool,
     normalize: bool,
     natural: bool,
     flag: bool,
@@ -133,7 +145,7 @@ def _launch(
     cfg = tensors[0][3]
     has_m = cfg.beta1 is not None
     device = tensors[0][0].device
-    geometry, item_tensor, sums_items, partial_numel, words_numel = layout(spans, has_m, device)
+    geometry, item_tensor, sums_items, partial_numel, words_numel = layout(spans, has_m, device, tables.BLOCK_COLS, tables.BAND_ROWS)
     table = []
     for (weight, g, state, _), geo in zip(tensors, geometry):
         row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
@@ -153,6 +165,7 @@ def _launch(
     partial = torch.empty(partial_numel, dtype=torch.float32, device=device)
     words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
     blocks = dict(BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS)
+    cap = dict(maxnreg=tables.MAX_REGISTERS) if tables.MAX_REGISTERS else {}  # the step kernel's
     finish = dict(BLOCK=256, KB=16, COPY_BLOCK=4096, FLAG=flag, num_warps=8)
     shard_pass = None if flag_pass is None else flag_pass.number
     if (natural or flag) and shard_pass != 1:  # |M|'s sums in M's own view, before the step kernel's writes
@@ -177,8 +190,9 @@ def _launch(
         cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
         *cfg.folded(),
         int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
-        W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, STOCHASTIC=stochastic, ZERO_BAD=cfg.zero_nonfinite,
-        NATURAL=natural, FLAG=flag, **blocks,
+        W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, VECTOR=vector and tables.VECTOR_HINTS,
+        SHARD=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans), STAGES=tables.PIPELINE_STAGES,
+        STOCHASTIC=stochastic, ZERO_BAD=cfg.zero_nonfinite, NATURAL=natural, FLAG=flag, **blocks, **cap,
     )
     copiers = 0 if aligned else tables.COPY_PROGRAMS
     moments = 2 if has_m and not flag else 1  # the flag's M is finished already

@@ -39,9 +39,9 @@ from .tiles import bf16_rounded, finite_or_cap, momentum, or_bits, work_item
 
 @triton.jit
 def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
-                seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
-                ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr,
-                BC: tl.constexpr, BAND: tl.constexpr):
+                seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, VECTOR: tl.constexpr,
+                SHARD: tl.constexpr, STOCHASTIC: tl.constexpr, ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr,
+                FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr, STAGES: tl.constexpr):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
     laid out per tensor as [V rows: tiles×n][V cols: bands×m][M rows][M cols] (:func:`~smmf.kernels.triton_gpu.table.layout`);
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
@@ -56,7 +56,11 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     decoded with the flag's bits and levels, and encoded against the new factors of |M| that
     :func:`momentum_sums_kernel` and the finish kernel left in the partial buffer (``T_NEW_M_AT``, ``T_LEVEL_SUMS_AT``):
     new sign and flag bits, and each work item's four level sums. Under ``NATURAL`` or ``FLAG`` the
-    sums kernel made |M|'s sums and this kernel only reads M's factors."""
+    sums kernel made |M|'s sums and this kernel only reads M's factors. ``VECTOR``: the host checked that
+    every row segment starts and ends on 8 elements and that w, g and the column factors start on 16
+    bytes (``host._vector``); saying so lets the compiler move them 16 bytes at a time, which halves
+    the registers and the load instructions per element. ``SHARD``: some tensor holds only part of its
+    rows (lo > 0 or hi < n·m), so each element is also tested against lo .. hi."""
     tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
     BB: tl.constexpr = BC // 8
     t, row, tiles, local, band, tile = work_item(meta_ptr, item_tensor_ptr, T_TILES, T_FIRST_ITEM)
@@ -70,6 +74,13 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     col_v_ptr = tl.load(row + T_COL_V).to(tl.pointer_type(tl.float32))
     part = partial_ptr + tl.load(row + T_PARTIAL_AT)
     m_part = partial_ptr + tl.load(row + T_M_PARTIAL_AT)
+    if VECTOR:  # tell the compiler what the host checked, so that loads and stores are 16 bytes wide
+        m = tl.multiple_of(m, 8)
+        held_lo = tl.multiple_of(held_lo, 8)
+        held_hi = tl.multiple_of(held_hi, 8)
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        col_v_ptr = tl.multiple_of(col_v_ptr, 16)
     m32 = m.to(tl.int32)
     r_idx = tl.arange(0, BR)[:, None, None]
     bit = tl.arange(0, 8)[None, None, :]
@@ -80,6 +91,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
         row_m_ptr = tl.load(row + T_ROW_M).to(tl.pointer_type(tl.float32))
         col_m_ptr = tl.load(row + T_COL_M).to(tl.pointer_type(tl.float32))
+        if VECTOR:
+            col_m_ptr = tl.multiple_of(col_m_ptr, 16)
         words = words_ptr + tl.load(row + T_WORDS_AT)
         m_cols = tl.load(row + T_M_COLS)
         if not NATURAL:
@@ -107,7 +120,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     energy_low = tl.zeros((), dtype=tl.float32)
     first_row = held_lo // m + band * BAND
     last_row = tl.minimum(first_row + BAND, (held_hi + m - 1) // m)
-    for r0 in range(first_row, last_row, BR):
+    for r0 in tl.range(first_row, last_row, BR, num_stages=STAGES):
         rows = r0 + tl.arange(0, BR)
         row_ok = rows < last_row
         # int64: the tile's first element, globally and where w, g and the sign bits hold it;
@@ -115,7 +128,9 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         start0 = r0 * m
         base = start0 - held_lo
         offs = r_idx * m32 + cols
-        ok = row_ok[:, None, None] & col_ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
+        ok = row_ok[:, None, None] & col_ok
+        if SHARD:  # the first and last rows may be partial
+            ok = ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
         w = tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink
         g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
         finite = tl.abs(g) <= FP32_MAX  # False for NaN
@@ -134,8 +149,9 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
                 byte_offs = base // 8 + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
                 byte_col = tl.arange(0, BB)[None, :, None] * 8 + (tile * BC).to(tl.int32)
                 byte_elem = r_idx * m32 + byte_col  # the byte's first element, from start0
-                byte_ok = (row_ok[:, None, None] & (byte_col < m32) & (byte_elem >= held_lo - start0)
-                           & (byte_elem < held_hi - start0))
+                byte_ok = row_ok[:, None, None] & (byte_col < m32)
+                if SHARD:
+                    byte_ok = byte_ok & (byte_elem >= held_lo - start0) & (byte_elem < held_hi - start0)
                 bits = (tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0) >> bit.to(tl.uint8)) & 1
                 if FLAG:
                     flag_bits = (tl.load(flags_ptr + byte_offs, mask=byte_ok, other=0) >> bit.to(tl.uint8)) & 1

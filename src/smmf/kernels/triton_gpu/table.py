@@ -5,17 +5,25 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-# Tile shape and rows per work item. A tile of 4096 elements keeps enough bytes in flight per SM
-# to be bandwidth-bound; BLOCK_COLS is a multiple of 32 (the unaligned sign path packs 32 bits at a
-# time). benchmarks/gpu_tune.py sweeps alternatives.
-BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 8
+# The step kernel's geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of
+# 8 × 128 on 8 warps (4 elements a thread), 3 tiles in flight per program (Triton's software
+# pipelining issues the next tiles' loads before this one is used), and a cap of 80 registers a thread,
+# so that three programs share an SM. Larger tiles reach 255 registers and spill. BLOCK_COLS is a
+# multiple of 32 (the unaligned sign path packs 32 bits at a time).
+BLOCK_ROWS, BLOCK_COLS, WARPS = 8, 128, 8
 BAND_ROWS = 256
+PIPELINE_STAGES = 3  # tiles in flight per program (the step kernel's STAGES)
+MAX_REGISTERS: Optional[int] = 80  # per thread (ptxas's maxnreg); None: the compiler's choice
+# Whether launches whose tensors pass host.py's _vector check tell the step kernel so (16-byte loads
+# and stores).
+VECTOR_HINTS = True
 COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
 # The tensor table: one row of int64 per tensor, a column per field (module docstring). These
 # constants are the one list of fields: the kernels read ``row + T_N``, and the host fills a row by
@@ -55,23 +63,24 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
 
 
 @functools.lru_cache(maxsize=256)
-def layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool,
-           device: torch.device) -> tuple[list[dict[str, int]], Tensor, Tensor, int, int]:
+def layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool, device: torch.device,
+           block_cols: int, band_rows: int) -> tuple[list[dict[str, int]], Tensor, Tensor, int, int]:
     """Geometry of one launch, cached by its tensors' spans (n, m, lo, hi, m_cols, flag: the n×m
     matrix's elements lo .. hi, the columns of M's view, whether M carries the magnitude flag):
     each tensor's geometry columns of the table, by field name, the step kernel's and the momentum sums
     kernel's work items (tensor indices, on ``device``), and the sizes of the partial-sum buffer and
-    of the bit scratch. Partial sums per tensor: [V rows: tiles×n][V cols: bands×m][M rows:
-    tiles×rows of M's view][M cols: bands×m_cols], then under the flag [M's new row factors][its new
-    column factors][4 level sums per step work item]."""
+    of the bit scratch, for tiles ``block_cols`` wide and bands of ``band_rows`` (:data:`BLOCK_COLS`,
+    :data:`BAND_ROWS`; arguments, so that a cached layout follows a change of them). Partial sums per
+    tensor: [V rows: tiles×n][V cols: bands×m][M rows: tiles×rows of M's view][M cols: bands×m_cols],
+    then under the flag [M's new row factors][its new column factors][4 level sums per step work item]."""
     geometry, counts, sums_counts = [], [], []
     first_item = first_sums_item = partial_at = words_at = 0
     for n, m, lo, hi, m_cols, flag in spans:
-        tiles, bands = triton.cdiv(m, BLOCK_COLS), triton.cdiv(triton.cdiv(hi, m) - lo // m, BAND_ROWS)
+        tiles, bands = triton.cdiv(m, block_cols), triton.cdiv(triton.cdiv(hi, m) - lo // m, band_rows)
         m_rows = n * m // m_cols
         sums_first = m_cols != m or flag  # |M|'s sums by momentum_sums_kernel, in M's view
         held_m_rows = triton.cdiv(hi, m_cols) - lo // m_cols
-        m_tiles, m_bands = (triton.cdiv(m_cols, BLOCK_COLS), triton.cdiv(held_m_rows, BAND_ROWS)) if sums_first else (tiles, bands)
+        m_tiles, m_bands = (triton.cdiv(m_cols, block_cols), triton.cdiv(held_m_rows, band_rows)) if sums_first else (tiles, bands)
         m_partial_at = partial_at + tiles * n + bands * m
         new_m_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
         level_sums_at = new_m_at + (m_rows + m_cols if flag else 0)
