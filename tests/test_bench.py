@@ -104,3 +104,44 @@ def test_training_memory_runs_each_configuration_in_a_fresh_process() -> None:
     assert adam["peak"] > adam["weights"] + adam["grads"] + adam["state"]
     text = format_results([adam, fused])
     assert "/ Adam(foreach=False)" in text and "SMMF + step in backward" in text
+
+
+def test_the_cuda_training_study_trains_every_configuration() -> None:
+    """The CUDA study's steps (bf16 autocast, the step inside backward, bf16 weights), on CPU with a tiny
+    GPT-2: every configuration trains and reports its parts; the peak needs CUDA (tests/test_cuda.py)."""
+    pytest.importorskip("transformers")
+    from smmf.bench.training_cuda import CONFIGS, train
+
+    tiny = (1, 64, 2)  # n_layer, n_embd, n_head
+    found = {name: train(tiny, 1, 8, name, torch.device("cpu"), warm=1, timed=1) for name in CONFIGS}
+    adamw, smmf, bf16 = found["AdamW(fused)"], found["SMMF"], found["SMMF + step in backward, bf16 weights (SR)"]
+    assert all(r["peak"] is None and r["tokens_per_second"] > 0 for r in found.values())
+    assert adamw["state"] == 2 * adamw["weights"] and 0 < smmf["state"] < adamw["state"] / 20
+    assert bf16["weights"] == adamw["weights"] // 2 and bf16["grads"] < bf16["weights"]
+
+
+@pytest.mark.parametrize("largest,device,error", [("0", "cpu", "positive"), ("card", "cpu", "positive"),
+                                                  ("24,x", "cpu", "'x'")])
+def test_training_budgets_are_checked(largest: str, device: str, error: str, capsys) -> None:
+    from smmf.bench.bench import _budgets
+
+    with pytest.raises(SystemExit):
+        _budgets(largest, device)
+    assert error in capsys.readouterr().err
+
+
+def test_the_largest_model_search_fits_its_budget(monkeypatch) -> None:
+    """Against a fake GPU whose peak is 3 + 2·layers GiB, out of memory past 40 layers: the search lands
+    on the deepest depth within the budget, or below the memory's end."""
+    from smmf.bench import training_cuda
+
+    def fake_train(shape, batch, seq, config, device, warm, timed):
+        if shape[0] > 40:
+            raise torch.cuda.OutOfMemoryError("fake")
+        return dict(params=shape[0], peak=(3 + 2 * shape[0]) * 2**30, tokens_per_second=1.0)
+
+    monkeypatch.setattr(training_cuda, "train", fake_train)
+    cpu = torch.device("cpu")
+    assert training_cuda.largest_fitting("SMMF", 24 * 2**30, cpu)["layers"] == 10
+    assert training_cuda.largest_fitting("SMMF", 1000 * 2**30, cpu)["layers"] <= 40
+    assert training_cuda.largest_fitting("SMMF", 2 * 2**30, cpu)["layers"] == 0

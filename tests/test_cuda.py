@@ -243,3 +243,11 @@ def test_a_param_off_16_bytes_takes_the_plain_loads_and_matches() -> None:
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
         state = fused_state
 
+
+def test_the_cuda_training_study_measures_its_peak() -> None:
+    pytest.importorskip("transformers")
+    from smmf.bench.training_cuda import train
+
+    for config in ("AdamW(fused)", "SMMF + step in backward, bf16 weights (SR)"):
+        found = train((2, 64, 2), 2, 32, config, torch.device("cuda"), warm=1, timed=1)
+        assert found["peak"] > found["weights"] + found["grads"] + found["state"]

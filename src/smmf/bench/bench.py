@@ -61,10 +61,10 @@ LIMIT = "axpy (limit)"
 # code reads and writes a 4-bit code per element (13 B; its bf16 scales, 1/64 B, are left out).
 # 8-bit moments: 2 × 2 B read and written; 4-bit: 2 × 2 × 1/2 B; the factored AdamW_adv: SMMF's pattern.
 BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25, "SMMF natural": 12.25,
-                   "SMMF natural+flag": 16.5, "SMMF levels": 13.0, "axpy": 12.0, "AdamW8bit": 16.0, "AdamW4bit": 14.0,
+                   "SMMF flag": 16.5, "SMMF natural+flag": 16.5, "SMMF levels": 13.0, "axpy": 12.0, "AdamW8bit": 16.0, "AdamW4bit": 14.0,
                    "AdamW_adv factored": 12.25}
 # Beyond the paper, opt-in (``--momentum-codes``): SMMF's other codes for M on the fused kernel.
-MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"),
+MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"), "SMMF flag": dict(magnitude_bits=1),
                   "SMMF natural+flag": dict(momentum_shape="natural", magnitude_bits=1),
                   "SMMF levels": dict(magnitude_bits=3)}
 
@@ -301,13 +301,67 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv"])
     parser.add_argument("--training", action="store_true",
-                        help="instead: peak memory of training steps (GPT-2 medium and small, fresh processes)")
-    parser.add_argument("--plot", help="with --training: write a stacked-bar PNG here")
-    parser.add_argument("--largest", type=float, metavar="GIB",
-                        help="with --training: also the deepest GPT-2-medium-wide model whose training fits in GIB, "
-                             "for Adam(foreach=False) and SMMF + step in backward with bf16 weights")
+                        help="instead: peak memory of training steps (CPU: GPT-2 medium and small, fresh processes; "
+                             "CUDA: GPT-2 medium and large at 1x512 and 8x512 under bf16 autocast, with tokens/s)")
+    parser.add_argument("--plot", help="with --training on CPU: write a stacked-bar PNG here")
+    parser.add_argument("--largest", metavar="GIB[,GIB|card]",
+                        help="with --training: also the deepest GPT-2-shaped model whose training fits in each budget "
+                             "(GiB; on CUDA also 'card': the GPU's free memory), for the baseline and SMMF + step in "
+                             "backward with bf16 weights")
     parser.add_argument("--peak-child", help=argparse.SUPPRESS)
     return parser
+
+
+def _budgets(text: str | None, device: str) -> list[float | str]:
+    """``--largest``'s budgets: GiB (positive numbers), or on CUDA ``card``."""
+    budgets: list[float | str] = []
+    for item in (text or "").split(",") if text else []:
+        if item == "card" and device == "cuda":
+            budgets.append(item)
+            continue
+        try:
+            gib = float(item)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            fail(PROG, f"--largest takes positive numbers of GiB{' or card' if device == 'cuda' else ''}, got {item!r}")
+        budgets.append(gib)
+    return budgets
+
+
+def _training(args: argparse.Namespace) -> int:
+    cuda_or_fail(PROG, args.device)
+    if args.plot:
+        if args.device == "cuda":
+            fail(PROG, "--plot is for --training on CPU")
+        writable_dir(PROG, "--plot", os.path.dirname(os.path.abspath(args.plot)))
+    budgets = _budgets(args.largest, args.device)
+    if args.device == "cuda":
+        from . import training_cuda as study
+
+        device = torch.device("cuda")
+        found = study.run(device)
+        free = torch.cuda.mem_get_info(device)[0]
+        largest = [study.largest_fitting(c, free, device, study.CARD_WIDTH, study.CARD_HEADS) if b == "card"
+                   else study.largest_fitting(c, int(float(b) * 2**30), device)
+                   for b in budgets for c in study.LARGEST]
+    else:
+        from . import training_memory as study  # type: ignore[no-redef]
+
+        found = study.run(list(study.MODELS), list(study.CONFIGS), args.device)
+        largest = [study.largest_fitting(c, int(float(b) * 2**30), args.device)
+                   for b in budgets for c in ("Adam(foreach=False)", "SMMF + step in backward, bf16 weights (SR)")]
+    if args.json:
+        print(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                          "runs": found, "largest": largest}, indent=2))
+    else:
+        print(study.format_results(found, args.format))
+        for entry in largest:
+            print(f"largest within {entry['budget'] / 2**30:.1f} GiB, {entry['config']}: {entry['layers']} layers, "
+                  f"{entry['params'] / 1e6:.0f}M params, peak {(entry['peak'] or 0) / 2**30:.2f} GiB")
+    if args.plot:
+        study.plot(found, args.plot)
+    return 0
 
 
 def main(args: argparse.Namespace | None = None) -> int:
@@ -316,26 +370,7 @@ def main(args: argparse.Namespace | None = None) -> int:
         _peak_child(args.peak_child)
         return 0
     if args.training:
-        from . import training_memory
-
-        cuda_or_fail(PROG, args.device)
-        if args.plot:
-            writable_dir(PROG, "--plot", os.path.dirname(os.path.abspath(args.plot)))
-        if args.largest is not None and args.largest <= 0:
-            fail(PROG, f"--largest must be a positive number of GiB, got {args.largest}")
-        found = training_memory.run(list(training_memory.MODELS), list(training_memory.CONFIGS), args.device)
-        largest = [training_memory.largest_fitting(c, int(args.largest * 2**30), args.device)
-                   for c in ("Adam(foreach=False)", "SMMF + step in backward, bf16 weights (SR)")] if args.largest else []
-        if args.json:
-            print(json.dumps({"runs": found, "largest": largest}, indent=2))
-        else:
-            print(training_memory.format_results(found, args.format))
-            for entry in largest:
-                print(f"largest within {args.largest:g} GiB, {entry['config']}: {entry['layers']} layers, "
-                      f"{entry['params'] / 1e6:.0f}M params, peak {entry['peak'] / 2**30:.2f} GiB")
-        if args.plot:
-            training_memory.plot(found, args.plot)
-        return 0
+        return _training(args)
     sets = comma_list(PROG, "--sets", args.sets, list(SHAPE_SETS))
     if args.repeats < 1:
         fail(PROG, f"--repeats must be at least 1, got {args.repeats}")
