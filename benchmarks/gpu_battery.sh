@@ -1,43 +1,53 @@
 #!/usr/bin/env bash
-# The GPU battery, in one go: Triton parity smoke test, the CUDA tests, `smmf bench --device cuda`
-# (52M GPT-2-like, ResNet-50, 1.3B GPT-2-XL-like; the opt-in momentum codes on the 52M set), the Triton tile sweep, the measured CUDA state
-# memory of the paper's models, then the rest of the test suite with CUDA present.
-# Writes at most 9 files to $OUT (default ./gpu-out). Needs torch with CUDA, triton, numba,
-# transformers, peft, pytest, hypothesis and pytorch_optimizer.
-#   bash benchmarks/gpu_battery.sh
-#   ATOMIC=old_kernel.py bash benchmarks/gpu_battery.sh   # also time an earlier atomic-sum kernel
+# The GPU battery, in one go (about 7 minutes on one H200): every CUDA path against the torch path
+# (tests/triton_parity.py on CUDA beside the CUDA-related tests), the step geometry tried round-robin
+# with fused AdamW (benchmarks/gpu_tune.py), `smmf bench --device cuda` (52M GPT-2-like, ResNet-50,
+# 1.56B GPT-2-XL-like; the opt-in momentum codes), and `smmf bench --training --device cuda`
+# (GPT-2 medium and large; the largest model within 24 GiB and within the card).
+# Writes at most 8 files to $OUT (default ./gpu-out). Needs torch with CUDA, triton, numba, transformers,
+# pytest, pytest-xdist and hypothesis.
+#   bash benchmarks/gpu_battery.sh            # everything
+#   STAGES="tests tune" bash benchmarks/gpu_battery.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
+STAGES=${STAGES:-"tests tune bench training"}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-ERR="$OUT/errors.log"
-stage() { echo "== $1 ($(date +%T))" | tee -a "$ERR"; }
-python3 - <<'PY' > "$OUT/env.txt" 2>&1
-import torch, triton, numba
-print("torch", torch.__version__, "triton", triton.__version__, "numba", numba.__version__)
-print("device", torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))
-PY
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv >> "$OUT/env.txt" 2>&1
-stage smoke
-timeout 120 python3 tests/triton_parity.py > "$OUT/smoke.log" 2>&1; echo "smoke rc=$?" | tee -a "$ERR"
-stage "cuda tests"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_triton.py \
-  tests/test_fused_kernels.py tests/test_checkpoint.py > "$OUT/tests_cuda.log" 2>&1; echo "cuda tests rc=$?" | tee -a "$ERR"
-stage bench
-timeout 130 python3 -m smmf.cli bench --device cuda --sets gpt2-52M,resnet50,gpt2-xl-1.3B --repeats 20 --json \
-  > "$OUT/bench_cuda.json" 2>> "$ERR"; echo "bench rc=$?" | tee -a "$ERR"
-stage "momentum codes"
-timeout 45 python3 -m smmf.cli bench --device cuda --sets gpt2-52M --momentum-codes --no-peak --json \
-  > "$OUT/bench_codes_cuda.json" 2>> "$ERR"; echo "momentum codes rc=$?" | tee -a "$ERR"
-stage tune
-timeout 100 python3 benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B ${ATOMIC:+--atomic "$ATOMIC"} \
-  > "$OUT/tune.json" 2>> "$ERR"; echo "tune rc=$?" | tee -a "$ERR"
-stage memory
-timeout 130 python3 -m smmf.cli memory --measure cuda --format json > "$OUT/memory_cuda.json" 2>> "$ERR"
-echo "memory rc=$?" | tee -a "$ERR"
-stage "other tests"
-timeout "${REST_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider -rs tests \
-  --ignore tests/test_cuda.py --ignore tests/test_triton.py --ignore tests/test_fused_kernels.py \
-  --ignore tests/test_checkpoint.py > "$OUT/tests_rest.log" 2>&1; echo "other tests rc=$?" | tee -a "$ERR"
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOG="$OUT/battery.log"
+stage() { echo "== $1 ($(date +%T))" | tee -a "$LOG"; }
+wanted() { [[ " $STAGES " == *" $1 "* ]]; }
+{
+  python3 -c "import torch, triton, numba; print('torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+} > "$OUT/env.txt" 2>&1
+if wanted tests; then
+  stage tests
+  # Correctness only, so the two run side by side: the parity script and the CUDA-related tests.
+  timeout 240 python3 tests/triton_parity.py > "$OUT/parity.log" 2>&1 &
+  parity=$!
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -n 6 tests/test_cuda.py tests/test_triton.py \
+    tests/test_fused_kernels.py tests/test_checkpoint.py > "$OUT/tests_cuda.log" 2>&1
+  echo "cuda tests rc=$?" | tee -a "$LOG"
+  wait $parity; echo "parity rc=$?" | tee -a "$LOG"
+  tail -3 "$OUT/tests_cuda.log" >> "$LOG"; tail -2 "$OUT/parity.log" >> "$LOG"
+fi
+if wanted tune; then
+  stage tune  # two JSON documents, fp32 then bf16
+  { timeout 150 python3 benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B --dtypes float32 --repeats 15 \
+      && timeout 90 python3 benchmarks/gpu_tune.py --sets gpt2-xl-1.3B --dtypes bfloat16 --repeats 10; } \
+    > "$OUT/tune.json" 2>> "$LOG"; echo "tune rc=$?" | tee -a "$LOG"
+fi
+if wanted bench; then
+  stage bench  # the paper's code with the baselines and peaks; then the other codes of M, apart, so that one failing loses nothing else
+  timeout 120 python3 -m smmf.cli bench --device cuda --sets gpt2-52M,resnet50,gpt2-xl-1.3B --repeats 10 --json \
+    > "$OUT/bench_cuda.json" 2>> "$LOG"; echo "bench rc=$?" | tee -a "$LOG"
+  timeout 90 python3 -m smmf.cli bench --device cuda --sets gpt2-52M,gpt2-xl-1.3B --momentum-codes --no-peak \
+    --repeats 10 --json > "$OUT/bench_codes.json" 2>> "$LOG"; echo "bench codes rc=$?" | tee -a "$LOG"
+fi
+if wanted training; then
+  stage training
+  timeout 200 python3 -m smmf.cli bench --training --device cuda --largest 24,card --json \
+    > "$OUT/training_cuda.json" 2>> "$LOG"; echo "training rc=$?" | tee -a "$LOG"
+fi
 stage done
