@@ -34,7 +34,8 @@ from .table import (
     T_LEVEL_SUMS_AT,
     T_FLAG_WORDS_AT,
 )
-from .tiles import bf16_rounded, finite_or_cap, momentum, or_bits, work_item
+from .tiles import (bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, pack_bits, row_sums, unpack_bits,
+                    work_item)
 
 
 @triton.jit
@@ -95,8 +96,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             col_m_ptr = tl.multiple_of(col_m_ptr, 16)
         words = words_ptr + tl.load(row + T_WORDS_AT)
         m_cols = tl.load(row + T_M_COLS)
-        if not NATURAL:
-            cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
+        cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0) if not NATURAL else 0.0
         if FLAG:
             flags_ptr = tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8))
             levels_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32))
@@ -105,9 +105,9 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             new_row_m = partial_ptr + tl.load(row + T_NEW_M_AT)  # then the new column factors, from M's row count on
             new_col_m = new_row_m + tl.load(row + T_M_ROWS)
             flag_words = words_ptr + tl.load(row + T_FLAG_WORDS_AT)
-            if not NATURAL:
-                new_cm = tl.load(new_col_m + cols, mask=col_ok, other=0.0)
+            new_cm = tl.load(new_col_m + cols, mask=col_ok, other=0.0) if not NATURAL else 0.0
         else:
+            flags_ptr = signs_ptr  # unread: the flag's names exist in every variant
             high = 0.0
             low = 0.0
     cap = FP32_MAX / (2.0 * (n * m).to(tl.float32))
@@ -142,64 +142,31 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         v = beta2 * (rv * cv) + (1.0 - beta2) * (g * g)
         v = tl.where(ok, v, 0.0)
         v_capped = tl.where(v > cap, cap, v)
-        tl.store(part + tile * n + rows, tl.sum(tl.sum(v_capped, axis=2), axis=1), mask=row_ok)
+        tl.store(part + tile * n + rows, row_sums(v_capped), mask=row_ok)
         acc_v += v_capped
         if HAS_M:
-            if ALIGNED:  # a tile's row segment is whole bytes, one per (row, byte) of the tile
-                byte_offs = base // 8 + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
-                byte_col = tl.arange(0, BB)[None, :, None] * 8 + (tile * BC).to(tl.int32)
-                byte_elem = r_idx * m32 + byte_col  # the byte's first element, from start0
-                byte_ok = row_ok[:, None, None] & (byte_col < m32)
-                if SHARD:
-                    byte_ok = byte_ok & (byte_elem >= held_lo - start0) & (byte_elem < held_hi - start0)
-                bits = (tl.load(signs_ptr + byte_offs, mask=byte_ok, other=0) >> bit.to(tl.uint8)) & 1
-                if FLAG:
-                    flag_bits = (tl.load(flags_ptr + byte_offs, mask=byte_ok, other=0) >> bit.to(tl.uint8)) & 1
-            else:
-                k = base + offs
-                bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
-                if FLAG:
-                    flag_bits = (tl.load(flags_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
-            if not FLAG:
-                flag_bits = bits
-            if NATURAL:  # M's own view: each element's factors by its row and column there
-                k_m = start0 + offs
-                magnitude = (tl.load(row_m_ptr + k_m // m_cols, mask=ok, other=0.0)
-                             * tl.load(col_m_ptr + k_m % m_cols, mask=ok, other=0.0))
-            else:
-                magnitude = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None, None] * cm
+            byte_offs, byte_ok = byte_geometry(base, start0, held_lo, held_hi, m32, tile, row_ok, SHARD, BR, BC)
+            bits = unpack_bits(signs_ptr, byte_offs, byte_ok, base + offs, ok, ALIGNED)
+            flag_bits = unpack_bits(flags_ptr, byte_offs, byte_ok, base + offs, ok, ALIGNED) if FLAG else bits
+            magnitude = factor_product(row_m_ptr, col_m_ptr, cm, rows, row_ok, start0 + offs, ok, m_cols, NATURAL)
             mm = momentum(g, bits, flag_bits, magnitude, high, low, beta1, FLAG)
             mm = tl.where(ok, mm, 0.0)
-            nonneg = ((mm >= 0) & ok).to(tl.int32)
-            if ALIGNED:
-                packed = tl.sum(nonneg << bit, axis=2, keep_dims=True)
-                tl.store(signs_ptr + byte_offs, packed.to(tl.uint8), mask=byte_ok)
-            else:
-                or_bits(words, nonneg, rows, tile, m, held_lo, row_ok, BR, BC)
+            pack_bits(signs_ptr, words, ((mm >= 0) & ok).to(tl.int32), byte_offs, byte_ok, rows, tile, m, held_lo,
+                      row_ok, ALIGNED, BR, BC)
             if FLAG:  # encode against the new factors: F = [|M| > R], and the least-squares sums
-                if NATURAL:
-                    estimate = (tl.load(new_row_m + k_m // m_cols, mask=ok, other=0.0)
-                                * tl.load(new_col_m + k_m % m_cols, mask=ok, other=0.0))
-                else:
-                    estimate = tl.load(new_row_m + rows, mask=row_ok, other=0.0)[:, None, None] * new_cm
-                a = tl.abs(mm)
-                above = (a > estimate) & ok
-                fit = tl.where(ok, finite_or_cap(a * estimate, cap), 0.0)
-                energy = tl.where(ok, finite_or_cap(estimate * estimate, cap), 0.0)
-                fit_high += tl.sum(tl.sum(tl.sum(tl.where(above, fit, 0.0), axis=2), axis=1), axis=0)
-                energy_high += tl.sum(tl.sum(tl.sum(tl.where(above, energy, 0.0), axis=2), axis=1), axis=0)
-                fit_low += tl.sum(tl.sum(tl.sum(tl.where(above, 0.0, fit), axis=2), axis=1), axis=0)
-                energy_low += tl.sum(tl.sum(tl.sum(tl.where(above, 0.0, energy), axis=2), axis=1), axis=0)
-                flagged = above.to(tl.int32)
-                if ALIGNED:
-                    tl.store(flags_ptr + byte_offs, tl.sum(flagged << bit, axis=2, keep_dims=True).to(tl.uint8),
-                             mask=byte_ok)
-                else:
-                    or_bits(flag_words, flagged, rows, tile, m, held_lo, row_ok, BR, BC)
+                estimate = factor_product(new_row_m, new_col_m, new_cm, rows, row_ok, start0 + offs, ok, m_cols,
+                                          NATURAL)
+                above, d_fit_high, d_energy_high, d_fit_low, d_energy_low = flag_fit(tl.abs(mm), estimate, ok, cap)
+                fit_high += d_fit_high
+                energy_high += d_energy_high
+                fit_low += d_fit_low
+                energy_low += d_energy_low
+                pack_bits(flags_ptr, flag_words, above.to(tl.int32), byte_offs, byte_ok, rows, tile, m, held_lo,
+                          row_ok, ALIGNED, BR, BC)
             if not NATURAL and not FLAG:  # (else momentum_sums_kernel made |M|'s sums in M's view)
                 a = tl.abs(mm)
                 a = tl.where(a > cap, cap, a)
-                tl.store(m_part + tile * n + rows, tl.sum(tl.sum(a, axis=2), axis=1), mask=row_ok)
+                tl.store(m_part + tile * n + rows, row_sums(a), mask=row_ok)
                 acc_m += a
             u = mm / (tl.sqrt(v) + eps)
         else:
@@ -209,7 +176,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             new_w = bf16_rounded(new_w, seed + t, start0 + offs, STOCHASTIC)
         tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
     tl.store(part + tiles * n + band * m + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
-    bad = tl.sum(tl.sum(tl.sum(any_bad.to(tl.int32), axis=2), axis=1), axis=0)
+    bad = tl.sum(row_sums(any_bad.to(tl.int32)), axis=0)
     tl.atomic_add(bad_ptr, bad, mask=bad > 0)
     if HAS_M and not NATURAL and not FLAG:
         tl.store(m_part + tiles * n + band * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
@@ -270,12 +237,8 @@ def momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
             g = tl.where(tl.abs(g) <= FP32_MAX, g, 0.0)
         if l2 != 0:  # L2 decay: M takes the weights too
             g = g + l2 * (tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink)
-        k = base + offs
-        bits = (tl.load(signs_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
-        if FLAG:
-            flag_bits = (tl.load(flags_ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
-        else:
-            flag_bits = bits
+        bits = unpack_bits(signs_ptr, 0, False, base + offs, ok, ALIGNED=False)  # M's rows: not whole bytes
+        flag_bits = unpack_bits(flags_ptr, 0, False, base + offs, ok, ALIGNED=False) if FLAG else bits
         magnitude = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)[:, None] * cm
         mm = momentum(g, bits, flag_bits, magnitude, high, low, beta1, FLAG)
         m_abs = tl.where(ok, tl.abs(mm), 0.0)

@@ -76,3 +76,72 @@ def copy_bytes(dst, words, nbytes, copier, COPIERS: tl.constexpr, COPY_BLOCK: tl
     for b0 in range(copier * COPY_BLOCK, nbytes, COPIERS * COPY_BLOCK):
         idx = b0 + tl.arange(0, COPY_BLOCK)
         tl.store(dst + idx, tl.load(scratch + idx, mask=idx < nbytes), mask=idx < nbytes)
+
+
+@triton.jit
+def row_sums(x):
+    """A (BR, BC/8, 8) tile's sums per row."""
+    return tl.sum(tl.sum(x, axis=2), axis=1)
+
+
+@triton.jit
+def byte_geometry(base, start0, held_lo, held_hi, m32, tile, row_ok, SHARD: tl.constexpr, BR: tl.constexpr,
+                  BC: tl.constexpr):
+    """Where a (BR, BC/8, 8) tile's sign bytes lie when its rows are whole bytes (ALIGNED): one per (row,
+    byte) of the tile, from the element ``base`` of the bits held; and which of them it holds."""
+    BB: tl.constexpr = BC // 8
+    r_idx = tl.arange(0, BR)[:, None, None]
+    byte_offs = base // 8 + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
+    byte_col = tl.arange(0, BB)[None, :, None] * 8 + (tile * BC).to(tl.int32)
+    byte_ok = row_ok[:, None, None] & (byte_col < m32)
+    if SHARD:
+        byte_elem = r_idx * m32 + byte_col  # the byte's first element, from start0
+        byte_ok = byte_ok & (byte_elem >= held_lo - start0) & (byte_elem < held_hi - start0)
+    return byte_offs, byte_ok
+
+
+@triton.jit
+def unpack_bits(ptr, byte_offs, byte_ok, k, ok, ALIGNED: tl.constexpr):
+    """A tile's packed bits (signs or flags) as 0/1, by whole bytes (``ALIGNED``) or bit by bit at the
+    held elements ``k``."""
+    if ALIGNED:
+        bits = (tl.load(ptr + byte_offs, mask=byte_ok, other=0) >> tl.arange(0, 8)[None, None, :].to(tl.uint8)) & 1
+    else:
+        bits = (tl.load(ptr + (k >> 3), mask=ok, other=0) >> (k & 7).to(tl.uint8)) & 1
+    return bits
+
+
+@triton.jit
+def pack_bits(ptr, words, values, byte_offs, byte_ok, rows, tile, m, held_lo, row_ok, ALIGNED: tl.constexpr,
+              BR: tl.constexpr, BC: tl.constexpr):
+    """Store a tile's 0/1 int32 ``values`` as packed bits: whole bytes (``ALIGNED``), or ORed into the
+    int32 scratch ``words`` (:func:`or_bits`) that the finish kernel copies back."""
+    if ALIGNED:
+        bit = tl.arange(0, 8)[None, None, :]
+        tl.store(ptr + byte_offs, tl.sum(values << bit, axis=2, keep_dims=True).to(tl.uint8), mask=byte_ok)
+    else:
+        or_bits(words, values, rows, tile, m, held_lo, row_ok, BR, BC)
+
+
+@triton.jit
+def factor_product(row_ptr, col_ptr, col_values, rows, row_ok, k_m, ok, m_cols, NATURAL: tl.constexpr):
+    """r cᵀ at each element of a tile: by the tile's rows and its loaded column factors, or under ``NATURAL``
+    by each element's row and column (``k_m`` its index) in M's own view, ``m_cols`` wide."""
+    if NATURAL:
+        product = (tl.load(row_ptr + k_m // m_cols, mask=ok, other=0.0)
+                   * tl.load(col_ptr + k_m % m_cols, mask=ok, other=0.0))
+    else:
+        product = tl.load(row_ptr + rows, mask=row_ok, other=0.0)[:, None, None] * col_values
+    return product
+
+
+@triton.jit
+def flag_fit(a, estimate, ok, cap):
+    """The magnitude flag's encoding of |M| = ``a`` against the new estimate R: the flag F = [a > R], and
+    this tile's four least-squares sums Σ_F a·R, Σ_F R², Σ_¬F a·R, Σ_¬F R² (each element's share capped)."""
+    above = (a > estimate) & ok
+    fit = tl.where(ok, finite_or_cap(a * estimate, cap), 0.0)
+    energy = tl.where(ok, finite_or_cap(estimate * estimate, cap), 0.0)
+    return (above, tl.sum(row_sums(tl.where(above, fit, 0.0)), axis=0),
+            tl.sum(row_sums(tl.where(above, energy, 0.0)), axis=0),
+            tl.sum(row_sums(tl.where(above, 0.0, fit)), axis=0), tl.sum(row_sums(tl.where(above, 0.0, energy)), axis=0))
