@@ -64,6 +64,22 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
         assert result["all_reduces"] == (2 if options.get("magnitude_bits") else 1)
 
 
+def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_path) -> None:
+    """The levels code (``magnitude_bits=3``) was refused for DTensor params. A param of 2 or more dims is
+    coded by its rows, so a Shard(0) shard codes its own rows; a vector is one row that FSDP2 cuts anywhere,
+    stepped whole from the gathered gradient. Either way: one device's result."""
+    options = dict(magnitude_bits=3)
+    _spawn(dist_workers.fsdp2_worker, tmp_path, options)
+    result = torch.load(tmp_path / "fsdp2.pt")
+    single = dist_workers.single_process_params(**options)
+    start = dist_workers.make_net()
+    assert len(result["straight"]) == len(single) > 0
+    for straight, resumed, ps, p0 in zip(result["straight"], result["resumed"], single, start.parameters()):
+        assert not torch.equal(ps, p0.detach())  # it trained
+        torch.testing.assert_close(straight, ps, rtol=0, atol=1e-12)
+        assert torch.equal(straight, resumed)  # DCP round trip continues exactly
+
+
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),
                     reason="needs numba and Linux /proc")
 @pytest.mark.parametrize("options", [{}, FSDP2_OPTIONS["natural+flag"]], ids=["paper", "natural+flag"])
@@ -101,6 +117,7 @@ IN_BACKWARD = [
     ("fsdp2", 2, 2, FSDP2_OPTIONS["natural+flag"]),
     ("fsdp2", 3, 2, {}),
     ("fsdp2", 3, 1, dict(momentum_shape="natural")),
+    ("fsdp2", 3, 2, dict(magnitude_bits=3)),  # the levels code: a shard's own rows; vectors gathered
     ("fsdp2 alone", 2, 2, {}),
     ("fsdp2", 3, 2, dict(clip=0.01)),  # per-tensor clipping: the whole tensor's norm, from its shards
     ("ddp", 2, 2, FSDP2_OPTIONS["flag"]),
@@ -154,9 +171,11 @@ def _element_levels(state: dict, param: torch.Tensor) -> torch.Tensor:
     return torch.where(flags, state["levels_m"][0], state["levels_m"][1])
 
 
-def test_fsdp2_checkpoint_loads_on_other_numbers_of_ranks(tmp_path) -> None:
-    """A checkpoint resumed only on the number of ranks that saved it (the bits were laid out per rank)."""
-    options = FSDP2_OPTIONS["flag"]  # sign and flag bits, partial rows of the square view
+@pytest.mark.parametrize("options", [FSDP2_OPTIONS["flag"], dict(magnitude_bits=3)], ids=["flag", "levels"])
+def test_fsdp2_checkpoint_loads_on_other_numbers_of_ranks(tmp_path, options: dict) -> None:
+    """A checkpoint resumed only on the number of ranks that saved it (the bits were laid out per rank).
+    The flag: sign and flag bits, partial rows of the square view; the levels code: codes and scales by rows
+    of the param (Shard(0) DTensors that DCP reshards), a vector's replicated."""
     for saved_on, loaded_on in ((2, (1, 3, 4)), (3, (1, 2))):
         mp.spawn(dist_workers.reshard_save_worker, args=(saved_on, _free_port(), str(tmp_path), options),
                  nprocs=saved_on, join=True)
@@ -182,6 +201,9 @@ def test_fsdp2_checkpoint_loads_on_other_numbers_of_ranks(tmp_path) -> None:
                 # The flag's level of each element. A tensor whose rank-1 fit is exact (a vector on its n×1
                 # view) has |M| = r cᵀ everywhere: its flags are ties, set either way by the last bit of a
                 # sum, and every flagged element gets a level of 1 then, whichever flag it has.
-                torch.testing.assert_close(_element_levels(state, p), _element_levels(state1, p), rtol=0, atol=1e-12)
-            if world == 3:
+                if "flag_m" in state:
+                    torch.testing.assert_close(_element_levels(state, p), _element_levels(state1, p), rtol=0, atol=1e-12)
+            if world == 3 and "flag_m" in other["state"][0]:
                 assert "laid out per rank" in other["refusal"] and "another number of ranks" in other["refusal"]
+            elif world == 3:  # the levels code keeps no sign bits: the offered ones are refused too, unchanged
+                assert "sign_m" in other["refusal"]

@@ -213,19 +213,6 @@ def test_levels_code_stays_finite_and_zeroes_nan() -> None:
     assert torch.equal(got[2, 1:].abs(), torch.zeros(3))  # in the block of −inf
 
 
-def test_levels_are_refused_for_dtensor_params() -> None:
-    """FSDP2 shards do not take the levels code yet: a clear error when the group is made."""
-    from smmf.state import refuse_sharded_levels
-
-    class DTensor(torch.Tensor):  # what smmf.sharding.is_dtensor recognises
-        def to_local(self) -> torch.Tensor:
-            return self
-
-    fake = torch.zeros(4, 4).as_subclass(DTensor)
-    with pytest.raises(RuntimeError, match="magnitude_bits=3 does not take DTensor"):
-        refuse_sharded_levels(fake)
-
-
 def test_recommended_options_build_the_levels_code_and_copy() -> None:
     import pickle
 

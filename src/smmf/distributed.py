@@ -8,8 +8,11 @@ partial row and column sums over ranks with one all-reduce (and the magnitude fl
 a second), so the factors, and therefore the update, are the single-device ones. A fused backend
 (:class:`smmf.kernels.Backend`, handed in by :mod:`smmf.dispatch`) makes the same pass over each shard
 in place and only the sums go through torch: for all the parameters of a step at once
-(:func:`fused_sharded_steps_`), one all-reduce per process group (the magnitude flag's two passes: two). Placement and checkpoint layout:
-:mod:`smmf.sharding`.
+(:func:`fused_sharded_steps_`), one all-reduce per process group (the magnitude flag's two passes: two). The levels code (``magnitude_bits=3``) codes M by rows of the
+param, so a shard of a param with two or more dims codes its own rows and only V's sums cross ranks; a
+vector is one row that FSDP2 cuts anywhere (inside a block, inside a code byte), so its code is
+replicated and each rank steps the whole vector from the gathered gradient, keeping its own elements.
+Both on the torch path. Placement and checkpoint layout: :mod:`smmf.sharding`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from .functional import (
     StepConfig,
     decompress_momentum,
     factor_sums,
+    _whole_matrix_update,
     flag_levels,
+    levels_update_,
     magnitude_flag_fit,
     store_factors_,
     torch_step_,
@@ -101,10 +106,26 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
     weight, local_grad = local(param), local(grad)
     if cfg.code is MomentumCode.DENSE or not info.sharded:  # elementwise, or every rank holds it all
         return torch_step_(weight, local_grad, local_state, cfg)
+    group = info.mesh.get_group()
+    if cfg.code is MomentumCode.LEVELS and param.dim() < 2:  # one row, cut anywhere: step it whole
+        gather = partial(_gather_vector, total=param.numel(), world=info.world, group=group)
+        return torch_step_(weight, local_grad, local_state, cfg,
+                           matrix_update=lambda g, st, c: _whole_matrix_update(gather(g), st, c)[info.start:][:info.numel])
     rows, cols = matrix_shape(param)
     band = Band.of_range(rows, cols, info.start, info.numel)
-    reduce = _all_reduce_on(info.mesh.get_group())
-    return torch_step_(weight, local_grad, local_state, cfg, matrix_update=partial(band_update, band=band, reduce=reduce))
+    return torch_step_(weight, local_grad, local_state, cfg,
+                       matrix_update=partial(band_update, band=band, reduce=_all_reduce_on(group)))
+
+
+def _gather_vector(local_part: Tensor, total: int, world: int, group: Any) -> Tensor:
+    """The whole of a vector sharded in FSDP2's chunks (``ceil(total / world)`` elements a rank, the last
+    ones shorter or empty), on every rank."""
+    chunk = -(-total // world)
+    padded = local_part.new_zeros(chunk)
+    padded[: local_part.numel()] = local_part
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat(pieces)[:total]
 
 
 def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfinite:
@@ -120,6 +141,8 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
         weight, local_grad = local(param), local(grad)
         if cfg.code is MomentumCode.DENSE:  # elementwise: the torch path
             found.append(torch_step_(weight, local_grad, local_state, cfg))
+        elif cfg.code is MomentumCode.LEVELS and info.sharded:  # no fused shard pass for this code yet
+            found.append(sharded_step_(param, grad, state, cfg))
         elif not info.sharded:  # every rank holds it all
             whole.append((weight, local_grad, local_state, cfg))
         else:
@@ -258,7 +281,9 @@ def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Ba
     band.zero_padding_(v)
     moments = [(ROW_V, COL_V, v, band)]
     m = m_band = magnitude = None
-    if cfg.beta1 is not None:
+    if cfg.code is MomentumCode.LEVELS:  # by rows of the param: this shard's rows are whole rows, its own
+        m = levels_update_(g_flat, state, cfg)
+    elif cfg.beta1 is not None:
         m_band = band.in_view(state[ROW_M].numel(), state[COL_M].numel())
         m = decompress_momentum(state, cfg, state[ROW_M][m_band.row0 : m_band.row1],
                                 lambda bits: m_band.to_matrix(unpack_signs(bits, m_band.numel)))
@@ -277,6 +302,9 @@ def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Ba
     for (row_key, col_key, _, _), row_sums, col_sums in zip(moments, sums[::2], sums[1::2]):
         store_factors_(state, row_key, col_key, row_sums, col_sums)
     denom = band.owned(v.sqrt_().add_(cfg.eps))
+    if cfg.code is MomentumCode.LEVELS:
+        assert m is not None
+        return m / denom
     if m is None or m_band is None or magnitude is None:
         return band.owned(g) / denom
     if cfg.code is MomentumCode.FLAG:  # the flag needs the new factors: its level sums take a second all-reduce

@@ -130,6 +130,22 @@ def _whole_matrix_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> T
     return _factored_update(g.view(rows, cols), state, cfg).view(-1)
 
 
+def levels_update_(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
+    """The levels code's M (``magnitude_bits=3``): decoded by rows of the param, updated with ``g`` (the
+    same elements, row-major), coded again into ``state``; returns this step's M, flat. A sign and a level
+    per element, a scale per block (:mod:`smmf.levels`)."""
+    codes, scales, beta1 = state[CODES_M], state[SCALES_M], cfg.beta1
+    assert beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
+    if not g.numel():  # an FSDP2 shard without rows
+        return g.reshape(-1)
+    m = decode_levels(codes, scales, g.numel() // max(codes.shape[0], 1), g.dtype)
+    m.mul_(beta1).add_(g.reshape(m.shape), alpha=1.0 - beta1)
+    new_codes, new_scales = encode_levels(m)
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
+    return m.view(-1)
+
+
 def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
     """Alg. 1 on one n×m gradient matrix ``g``; returns the direction ``M / (√V + ε)``
     (``G / (√V + ε)`` without a first moment)."""
@@ -137,15 +153,7 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     v = torch.outer(state[ROW_V], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
     m = None
     if cfg.code is MomentumCode.LEVELS:
-        # M by rows of the param; a sign and a level per element, a scale per block (smmf.levels).
-        codes, scales, beta1 = state[CODES_M], state[SCALES_M], cfg.beta1
-        assert beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
-        m = decode_levels(codes, scales, g.numel() // max(codes.shape[0], 1), g.dtype)
-        m.mul_(beta1).add_(g.reshape(m.shape), alpha=1.0 - beta1)
-        new_codes, new_scales = encode_levels(m)
-        codes.copy_(new_codes)
-        scales.copy_(new_scales)
-        m = m.view(g.shape)
+        m = levels_update_(g, state, cfg).view(g.shape)
     elif cfg.beta1 is not None:
         # M in its own n×m view (the same as V's but under momentum_shape="natural").
         m_shape = (state[ROW_M].numel(), state[COL_M].numel())

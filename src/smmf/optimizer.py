@@ -28,7 +28,6 @@ from .state import (
     check_state_fits,
     init_state,
     momentum_code,
-    refuse_sharded_levels,
     state_layout,
 )
 
@@ -321,8 +320,6 @@ class SMMF(Optimizer):
             for param in self.param_groups[-1]["params"]:
                 _reject_non_float(param)
                 _reject_flattened(param)
-                if momentum_code(param, self.param_groups[-1]) is MomentumCode.LEVELS:
-                    refuse_sharded_levels(param)
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise

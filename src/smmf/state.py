@@ -113,7 +113,6 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     rows, cols = matrix_shape(param)
     layout: dict[str, TensorSpec] = {}
     if code is MomentumCode.LEVELS:
-        refuse_sharded_levels(param)
         m_rows, m_cols = levels_shape(tuple(param.shape), real_view(param).numel())
         layout[CODES_M] = TensorSpec(codes_shape(m_rows, m_cols), torch.uint8)
         layout[SCALES_M] = TensorSpec(scales_shape(m_rows, m_cols), torch.bfloat16)
@@ -130,15 +129,6 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     layout[ROW_V] = TensorSpec((rows,), dtype)
     layout[COL_V] = TensorSpec((cols,), dtype)
     return layout
-
-
-def refuse_sharded_levels(param: Tensor) -> None:
-    """The levels code (``magnitude_bits=3``) runs on whole tensors only, for now."""
-    if is_dtensor(param):
-        raise RuntimeError(
-            "magnitude_bits=3 does not take DTensor (FSDP2) parameters yet; use magnitude_bits=0 or 1 with FSDP2, "
-            "or DDP / one device for magnitude_bits=3"
-        )
 
 
 def _layout_keys(param: Tensor, group: Mapping[str, Any]) -> set[str]:
@@ -164,11 +154,28 @@ def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
             state[key] = torch.zeros(spec.shape, dtype=spec.dtype, device=param.device)
         elif key in (EXP_AVG, EXP_AVG_SQ):  # dense: elementwise, sharded like the param
             state[key] = torch.zeros_like(param, dtype=spec.dtype)
+        elif key in (CODES_M, SCALES_M):  # by rows of the param: a shard's rows, or all of them (module docstring)
+            state[key] = levels_state(spec, param, info)
         else:
             bits = key in (SIGN_M, FLAG_M)  # per element: each rank keeps its own
             piece = torch.zeros(info.sign_bytes if bits else spec.shape[0], dtype=spec.dtype, device=local(param).device)
             state[key] = as_state(piece, info, sharded=bits)
     return state
+
+
+def levels_state(spec: TensorSpec, param: Tensor, info: Any) -> Tensor:
+    """A zero levels-code tensor (codes or scales, by rows of the param) for a DTensor param: sharded like
+    it (``Shard(0)``: each rank holds the rows of its shard, whole blocks) when the param has rows to
+    shard; replicated for a sharded vector, which is one row that FSDP2 cuts anywhere (each rank then
+    steps the whole row from the gathered gradient: :func:`smmf.distributed.sharded_step_`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if info.sharded and param.dim() >= 2:
+        rows = local(param).shape[0]
+        piece = torch.zeros((rows, spec.shape[1]), dtype=spec.dtype, device=local(param).device)
+        return DTensor.from_local(piece, info.mesh, [Shard(0)], run_check=False, shape=torch.Size(spec.shape),
+                                  stride=(spec.shape[1], 1))
+    return as_state(torch.zeros(spec.shape, dtype=spec.dtype, device=local(param).device), info, sharded=False)
 
 
 def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> None:
