@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU battery (its stages took 6, 2, 1.5 and 3 minutes on an H200: split them over two calls
+# The GPU battery (its stages took 4 (cut at their limit), 1, 1 and 2–3 minutes on an H200: split them over two calls
 # with STAGES where one call has less time): every CUDA path against the torch path
 # (tests/triton_parity.py on CUDA beside the CUDA-related tests), the step geometry tried round-robin
 # with fused AdamW (benchmarks/gpu_tune.py), `smmf bench --device cuda` (52M GPT-2-like, ResNet-50,
