@@ -524,3 +524,25 @@ def test_a_dropped_model_and_optimizer_are_freed() -> None:
     del net
     gc.collect()
     assert ref() is None
+
+
+def test_a_hooked_model_still_copies_and_pickles() -> None:
+    """The attribute that keeps a param's handle alive is copied and pickled empty: deepcopy and
+    torch.save of a model with the step inside backward installed failed on the handle's lock."""
+    import pickle
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = SMMF(net.parameters(), lr=1e-2)
+    handle = step_in_backward(opt)
+    net(torch.randn(3, 8)).sum().backward()
+    clone = copy.deepcopy(net)
+    restored = pickle.loads(pickle.dumps(net))
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    for other in (clone, restored):
+        assert all(torch.equal(p, q) for p, q in zip(net.parameters(), other.parameters()))
+        before = [p.detach().clone() for p in other.parameters()]
+        other(torch.randn(3, 8)).sum().backward()  # the copies are not hooked: their gradients stay
+        assert all(p.grad is not None for p in other.parameters())
+        assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before))
+    handle.remove()

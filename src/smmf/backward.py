@@ -99,6 +99,23 @@ class _EndOfReentrant:
 _KEEPS_ALIVE = "_smmf_step_in_backward"
 
 
+class _KeepAlive:
+    """What a hooked param holds in its attribute :data:`_KEEPS_ALIVE`: its handle. A copy or a pickle
+    of the param (``copy.deepcopy(model)``, ``torch.save(model)``) gets an empty one: the copy is not
+    hooked, and the handle (a lock, the optimizer) is neither copied nor pickled."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Optional["StepInBackward"] = None) -> None:
+        self.handle = handle
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_KeepAlive":
+        return _KeepAlive()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _KeepAlive, ()
+
+
 class _Hook:
     """The hook a param holds: its handle by weak reference. Autograd keeps a param's hooks where the
     garbage collector cannot see them, so a strong reference there (param → hook → handle → optimizer
@@ -168,7 +185,7 @@ class StepInBackward:
                 param.requires_grad_(True)
             try:
                 self._handles[param] = param.register_post_accumulate_grad_hook(_Hook(self))
-                setattr(param, _KEEPS_ALIVE, self)
+                setattr(param, _KEEPS_ALIVE, _KeepAlive(self))
             finally:
                 if frozen:
                     param.requires_grad_(False)
@@ -179,7 +196,7 @@ class StepInBackward:
         with self._lock:
             for param, handle in self._handles.items():
                 handle.remove()
-                if getattr(param, _KEEPS_ALIVE, None) is self:
+                if getattr(getattr(param, _KEEPS_ALIVE, None), "handle", None) is self:
                     delattr(param, _KEEPS_ALIVE)
             self._handles = {}
             if self.active:
