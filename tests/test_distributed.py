@@ -101,6 +101,21 @@ def test_fsdp1_flat_parameters_are_rejected(tmp_path) -> None:
     assert all(m is not None and "flattened by FSDP1" in m and "fully_shard" in m for m in messages)
 
 
+def test_complex_dtensor_params_are_rejected() -> None:
+    """A shard's step counts real elements where FSDP2 counts complex ones: refused up front, not a crash
+    mid-step after the weights were shrunk by decoupled decay."""
+    from smmf import SMMF
+
+    class DTensor(torch.Tensor):  # what smmf.sharding.is_dtensor recognises
+        def to_local(self) -> torch.Tensor:
+            return self
+
+    fake = torch.zeros(4, 4, dtype=torch.complex64).as_subclass(DTensor).requires_grad_()
+    with pytest.raises(RuntimeError, match="complex DTensor"):
+        SMMF([fake])
+    SMMF([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))])  # unsharded complex: taken
+
+
 def test_deepspeed_partitioned_params_are_rejected() -> None:
     from smmf import SMMF
 

@@ -15,7 +15,7 @@ from .dispatch import Kernel, step_kernel
 from .functional import StepConfig
 from .kernels import check_backend
 from .schedules import beta1_at, beta2_at
-from .sharding import bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, shard_info
+from .sharding import bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, shard_info
 from .state import (
     FLAG_M,
     MAGNITUDE_BITS,
@@ -188,6 +188,11 @@ def _reject_flattened(param: Tensor) -> None:
         raise RuntimeError(
             "SMMF got a DeepSpeed ZeRO partitioned (flattened) parameter: its factorization needs each "
             "parameter's own shape. Use DDP or FSDP2 (torch.distributed.fsdp.fully_shard) instead."
+        )
+    if is_dtensor(param) and param.is_complex():  # the shard steps count real elements; FSDP2 counts complex ones
+        raise RuntimeError(
+            "SMMF does not take complex DTensor (FSDP2) parameters: shard the real view "
+            "(torch.view_as_real) or keep the complex parameter unsharded"
         )
 
 
