@@ -17,7 +17,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from worktrees import checked_out
 
@@ -54,6 +56,18 @@ def _time(tree: Path, steps: int) -> float:
     return result["median_s"]
 
 
+def interleaved_rounds(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each run's result per round, the runs in order on odd rounds and reversed on even ones (ABBA: the
+    second process of a round ran slower here, ~3%); prints every round. Shared with code_step_time.py."""
+    medians: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs.items())
+    for round_ in range(1, rounds + 1):
+        for name, run in order if round_ % 2 else order[::-1]:
+            medians[name].append(run())
+        print(f"round {round_}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()), flush=True)
+    return medians
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before")
@@ -64,13 +78,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, checked_out([args.before, args.after], Path(tmp)) as trees:
         for tree in trees.values():
             _time(tree, 1)  # compile and cache the kernels
-        medians: dict[str, list[float]] = {name: [] for name in trees}
-        order = list(trees.items())
-        for round_ in range(1, args.rounds + 1):
-            # ABBA: the second process of a round runs slower here (~3%), so the order alternates
-            for name, tree in order if round_ % 2 else order[::-1]:
-                medians[name].append(_time(tree, args.steps))
-            print(f"round {round_}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()))
+        medians = interleaved_rounds({name: partial(_time, tree, args.steps) for name, tree in trees.items()},
+                                     args.rounds)
         summary = {name: statistics.median(m) for name, m in medians.items()}
         print(", ".join(f"{n}: median {s * 1e3:.1f} ms, best {min(medians[n]) * 1e3:.1f} ms"
                         for n, s in summary.items()))

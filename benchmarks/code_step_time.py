@@ -15,8 +15,10 @@ import json
 import statistics
 import subprocess
 import sys
+from functools import partial
 
-from ab_step_time import CHILD  # the timed child process, shared with the A/B of two commits
+# the timed child process and the interleaved rounds, shared with the A/B of two commits
+from ab_step_time import CHILD, interleaved_rounds
 
 OPTIMIZERS = {
     "SMMF (paper code)": "SMMF(params)",
@@ -37,12 +39,8 @@ def main() -> int:
     args = parser.parse_args()
     for build in OPTIMIZERS.values():
         _time(build, 1)  # compile and cache the kernels
-    medians: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
-    order = list(OPTIMIZERS.items())
-    for round_ in range(1, args.rounds + 1):
-        for name, build in order if round_ % 2 else order[::-1]:
-            medians[name].append(_time(build, args.steps))
-        print(f"round {round_}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()), flush=True)
+    medians = interleaved_rounds({name: partial(_time, build, args.steps) for name, build in OPTIMIZERS.items()},
+                                 args.rounds)
     summary = {name: statistics.median(m) for name, m in medians.items()}
     paper, adam = summary["SMMF (paper code)"], summary["Adam (fused)"]
     for name, median in summary.items():
