@@ -26,6 +26,7 @@ import torch
 
 from ..memory import state_bytes
 from ..table import format_table
+from .training_memory import build_gpt2
 
 GIB = 2**30
 # name: (n_layer, n_embd, n_head)
@@ -41,22 +42,6 @@ BASELINE = "AdamW(fused)"
 LARGEST = ("AdamW(fused)", "SMMF + step in backward, bf16 weights (SR)")
 WARM_STEPS, TIMED_STEPS = 3, 5
 CARD_WIDTH, CARD_HEADS = 4096, 32  # the shape searched within the whole card
-
-
-def _model(n_layer: int, n_embd: int, n_head: int, bf16: bool, device: torch.device) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=1024, vocab_size=50257)
-    # Built where it trains, in the dtype it trains in: an fp32 CPU model moved or cast afterwards
-    # would take minutes (774M on CPU) and set the peak while it is converted.
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if bf16 else default)
-    try:
-        with device:
-            return GPT2LMHeadModel(config)
-    finally:
-        torch.set_default_dtype(default)
 
 
 def _optimizer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> torch.optim.Optimizer:
@@ -78,7 +63,7 @@ def train(shape: tuple[int, int, int], batch: int, seq: int, config_name: str,
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if cuda else 0
-    model = _model(*shape, config.get("bf16", False), device)
+    model = build_gpt2(*shape, config.get("bf16", False), device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(params, config)
     handle = step_in_backward(optimizer) if config.get("in_backward") else None

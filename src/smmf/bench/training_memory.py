@@ -46,16 +46,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
 STEPS = 3
 
 
-def _build(n_layer: int, n_embd: int, n_head: int, bf16: bool) -> torch.nn.Module:
+def build_gpt2(n_layer: int, n_embd: int, n_head: int, bf16: bool,
+               device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+    """A GPT-2-shaped model from its config (random weights, seed 0), built where it trains and in the dtype
+    it trains in: bf16 weights are built as bf16, since an fp32 model cast (or moved) afterwards would set
+    the peak while it is converted, and take minutes for a 774M model built on CPU."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=1024, vocab_size=50257)
-    # bf16 weights are built as bf16: an fp32 model cast afterwards would set the peak while it is built.
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if bf16 else default)
     try:
-        return GPT2LMHeadModel(config)
+        with device:
+            return GPT2LMHeadModel(config)
     finally:
         torch.set_default_dtype(default)
 
@@ -91,7 +95,7 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
     n_layer, n_embd, n_head, batch, seq = job["shape"]
     config = CONFIGS[job["config"]]
     device = torch.device(job["device"])
-    model = _build(n_layer, n_embd, n_head, config.get("bf16", False)).to(device)
+    model = build_gpt2(n_layer, n_embd, n_head, config.get("bf16", False)).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(params, config)
     if config.get("in_backward"):
