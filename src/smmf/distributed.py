@@ -8,11 +8,11 @@ partial row and column sums over ranks with one all-reduce (and the magnitude fl
 a second), so the factors, and therefore the update, are the single-device ones. A fused backend
 (:class:`smmf.kernels.Backend`, handed in by :mod:`smmf.dispatch`) makes the same pass over each shard
 in place and only the sums go through torch: for all the parameters of a step at once
-(:func:`fused_sharded_steps_`), one all-reduce per process group (the magnitude flag's two passes: two). The levels code (``magnitude_bits=3``) codes M by rows of the
-param, so a shard of a param with two or more dims codes its own rows and only V's sums cross ranks; a
-vector is one row that FSDP2 cuts anywhere (inside a block, inside a code byte), so its code is
-replicated and each rank steps the whole vector from the gathered gradient, keeping its own elements.
-Both on the torch path. Placement and checkpoint layout: :mod:`smmf.sharding`.
+(:func:`fused_sharded_steps_`), one all-reduce per process group (the magnitude flag's two passes:
+two). The levels code (``magnitude_bits=3``) codes M by rows of the param, so a shard of a param with
+two or more dims codes its own rows and only V's sums cross ranks; a vector is one row that FSDP2 cuts
+anywhere (inside a block, inside a code byte), so its code is replicated and each rank steps the whole
+vector from the gathered gradient, keeping its own elements. Both on the torch path. Placement and checkpoint layout: :mod:`smmf.sharding`.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
     group = info.mesh.get_group()
     if cfg.code is MomentumCode.LEVELS and param.dim() < 2:  # one row, cut anywhere: step it whole
         gather = partial(_gather_vector, total=param.numel(), world=info.world, group=group)
+        own = slice(info.start, info.start + info.numel)
         return torch_step_(weight, local_grad, local_state, cfg,
-                           matrix_update=lambda g, st, c: _whole_matrix_update(gather(g), st, c)[info.start:][:info.numel])
+                           matrix_update=lambda g, st, c: _whole_matrix_update(gather(g), st, c)[own])
     rows, cols = matrix_shape(param)
     band = Band.of_range(rows, cols, info.start, info.numel)
     return torch_step_(weight, local_grad, local_state, cfg,

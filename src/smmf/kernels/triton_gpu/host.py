@@ -145,7 +145,8 @@ def _launch(
     cfg = tensors[0][3]
     has_m = cfg.beta1 is not None
     device = tensors[0][0].device
-    geometry, item_tensor, sums_items, partial_numel, words_numel = layout(spans, has_m, device, tables.BLOCK_COLS, tables.BAND_ROWS)
+    geometry, item_tensor, sums_items, partial_numel, words_numel = layout(spans, has_m, device, tables.BLOCK_COLS,
+                                                                           tables.BAND_ROWS)
     table = []
     for (weight, g, state, _), geo in zip(tensors, geometry):
         row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
