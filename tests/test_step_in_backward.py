@@ -546,3 +546,59 @@ def test_a_hooked_model_still_copies_and_pickles() -> None:
         assert all(p.grad is not None for p in other.parameters())
         assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before))
     handle.remove()
+
+
+_DROPPED_DDP_MODEL = """
+import gc, sys, weakref
+import torch, torch.distributed as dist
+from smmf import SMMF, step_in_backward
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+net = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+step_in_backward(SMMF(net.parameters(), lr=1e-2), module=net)  # neither the optimizer nor the handle kept
+before = net.module[0].weight.detach().clone()
+for _ in range(2):
+    net(torch.randn(4, 64)).sum().backward()
+assert not torch.equal(before, net.module[0].weight)
+ref = weakref.ref(net.module[0].weight)
+del net
+gc.collect()
+print("freed" if ref() is None else "kept")
+dist.destroy_process_group()
+"""
+
+
+def test_a_dropped_ddp_model_with_the_step_inside_backward_is_freed(tmp_path) -> None:
+    """DDP keeps its communication hook in C++, out of the garbage collector's sight: a hook holding
+    our module sync strongly (the DDP module → its hook → the sync → the module) kept every such model
+    in memory for good."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DROPPED_DDP_MODEL, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "freed"
+
+
+def test_a_hook_whose_handle_is_gone_says_so_once() -> None:
+    """A param keeps its handle alive through an attribute; with that attribute deleted (and no other
+    reference) the handle is freed, and its hooks, which autograd still holds, used to do nothing in
+    silence: the param's gradient then accumulates as in the ordinary loop, which the warning says."""
+    import gc
+    import warnings
+
+    from smmf.backward import _KEEPS_ALIVE
+
+    net = torch.nn.Linear(4, 2)
+    step_in_backward(SMMF(net.parameters(), lr=1e-2))
+    for p in net.parameters():
+        delattr(p, _KEEPS_ALIVE)
+    gc.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            net(torch.randn(3, 4)).sum().backward()
+    gone = [w for w in caught if "step inside backward" in str(w.message)]
+    assert len(gone) == 2 and all(w.category is RuntimeWarning for w in gone)  # one per param, not per backward
+    assert all(p.grad is not None for p in net.parameters())

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import warnings
 import weakref
 from types import FrameType
 from typing import Any, Optional
@@ -123,15 +124,21 @@ class _Hook:
     in memory. The param keeps the handle alive instead through an attribute (:data:`_KEEPS_ALIVE`),
     which the collector does see."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "warned")
 
     def __init__(self, handle: "StepInBackward") -> None:
         self.handle = weakref.ref(handle)
+        self.warned = False
 
     def __call__(self, param: Tensor) -> None:
         handle = self.handle()
         if handle is not None:
             handle._hook(param)
+        elif not self.warned:  # only if the attribute was deleted or replaced: say so once per param
+            self.warned = True
+            warnings.warn(f"the step inside backward of a param of shape {tuple(param.shape)} is gone: its handle "
+                          f"was freed (the param's {_KEEPS_ALIVE!r} attribute was removed), so its gradient "
+                          "now accumulates as in the ordinary loop", RuntimeWarning, stacklevel=2)
 
 
 class StepInBackward:

@@ -17,6 +17,7 @@ DDP or FSDP2 module that reduces the gradients.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -59,8 +60,12 @@ class ModuleSync:
         self.closes = handle.accumulation_steps == 1
         if self.ddp:  # first: DDP refuses a second communication hook, before anything else is hooked
             ddp: Any = module
+            # DDP keeps the hook in C++, where the garbage collector cannot see it: holding this sync
+            # strongly would make a cycle (the DDP module → the hook → this sync → the module) that is
+            # never collected. The handle keeps the sync alive; once both are gone, DDP's averaging.
             # (A lambda: DDP checks the hook's annotations against the classes, not the strings ours are.)
-            ddp.register_comm_hook(ddp.process_group, lambda group, bucket: self._reduce_and_step(group, bucket))
+            sync = weakref.ref(self)
+            ddp.register_comm_hook(ddp.process_group, lambda group, bucket: _comm_hook(sync, group, bucket))
         self._handles = [module.register_forward_pre_hook(self._set_sync),
                          module.register_forward_hook(self._count_backward)]
 
@@ -90,12 +95,8 @@ class ModuleSync:
             torch.autograd.graph.register_multi_grad_hook(tensors, self.handle._backward_reached, mode="any")
 
     def _reduce_and_step(self, group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-        buffer = bucket.buffer()
-        buffer.div_(dist.get_world_size(group))  # DDP's own averaging: divide, then sum
-        reduced = dist.all_reduce(buffer, group=group, async_op=True)
-        assert reduced is not None
         closes = self.closes and self.handle.active
-        return reduced.get_future().then(lambda done: self._step_bucket(bucket, done.value()[0], closes))
+        return _average(group, bucket).then(lambda done: self._step_bucket(bucket, done.value()[0], closes))
 
     def _step_bucket(self, bucket: dist.GradBucket, reduced: Tensor, closes: bool) -> Tensor:
         with self.handle._lock:  # the future may complete on another thread than autograd's
@@ -111,6 +112,22 @@ class ModuleSync:
             for _, grad in grads:  # views of the bucket: only the stepped params' gradients become zeros
                 grad.zero_()
             return reduced
+
+
+def _comm_hook(sync: weakref.ref[ModuleSync], group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    live = sync()
+    if live is None:
+        return _average(group, bucket).then(lambda done: done.value()[0])
+    return live._reduce_and_step(group, bucket)
+
+
+def _average(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[list[Tensor]]:
+    """DDP's own averaging of a bucket: divide, then sum over the ranks."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    reduced = dist.all_reduce(buffer, group=group, async_op=True)
+    assert reduced is not None
+    return reduced.get_future()
 
 
 def managed_elsewhere(sync: Optional[ModuleSync]) -> set[Tensor]:
