@@ -55,11 +55,18 @@ def test_opt_args_parse_and_reject() -> None:
         parse_opt_args(["smmf"])
 
 
-def test_cli_quick_run_writes_all_outputs(tmp_path) -> None:
+def test_cli_quick_run_writes_all_outputs(tmp_path, monkeypatch) -> None:
+    from smmf.bench import compare
     from smmf.cli import main
 
+    writes = []
+    write = compare.write_outputs
+    monkeypatch.setattr(compare, "write_outputs", lambda results, meta, out, plots=True: writes.append(
+        (len(results), meta["complete"], plots)) or write(results, meta, out, plots))
     out = tmp_path / "run"
     assert main(["compare", "--quick", "--steps", "6", "--out", str(out), "--opt-args", "smmf:decay_rate=-0.8"]) == 0
+    runs = len(DEFAULT_TASKS) * len(DEFAULT_OPTIMIZERS)  # the tables after every run (a stopped study keeps them)
+    assert writes == [(k, False, False) for k in range(1, runs + 1)] + [(runs, True, True)]
     for name in ("results.md", "results.csv", "results.json", "loss.png", "metric.png", "state_memory.png"):
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
@@ -67,19 +74,25 @@ def test_cli_quick_run_writes_all_outputs(tmp_path) -> None:
     assert runs == {(t, o) for t in DEFAULT_TASKS for o in DEFAULT_OPTIMIZERS}
     assert set(DEFAULT_TASKS) == {"digits-cnn", "pydoc-lm"}
     table = (out / "results.md").read_text()
-    assert "SMMF is the paper's algorithm" in table
+    assert "SMMF is the paper's algorithm" in table and "SMMF recommended is the recommended option" in table
     smmf = next(r for r in data["results"] if r["optimizer"] == "smmf")
     assert smmf["kwargs"]["decay_rate"] == "-0.8"
     assert all(len(r["losses"]) == 6 for r in data["results"])
 
 
-def test_jobs_run_side_by_side_and_keep_the_order() -> None:
+def test_jobs_run_side_by_side_keep_the_order_and_report_every_finished_run() -> None:
     from smmf.bench.compare import run
 
-    kwargs = dict(tasks=["digits-cnn"], optimizers=["adam", "smmf", "sm3"], steps=4, seed=0,
+    kwargs = dict(tasks=["digits-cnn"], optimizers=["adam", "smmf"], steps=4, seed=0, seeds=2,
                   device=torch.device("cpu"), opt_args=[], quick=True, show_progress=False)
-    one, two = run(**kwargs), run(**kwargs, jobs=2)
-    assert [r["optimizer"] for r in two] == [r["optimizer"] for r in one] == ["adam", "smmf", "sm3"]
+    seen: dict[int, list[list[tuple[str, int]]]] = {1: [], 2: []}
+    one, two = [run(**kwargs, jobs=jobs, finished=lambda results, jobs=jobs: seen[jobs].append(
+        [(r["optimizer"], r["seed"]) for r in results])) for jobs in (1, 2)]
+    order = [("adam", 0), ("smmf", 0), ("adam", 1), ("smmf", 1)]  # every optimizer's first seed first
+    assert [(r["optimizer"], r["seed"]) for r in one] == [(r["optimizer"], r["seed"]) for r in two] == order
+    assert seen[1] == [order[:k] for k in range(1, 5)]
+    # Side by side, two runs may end together: each report holds the finished ones, in order, the last all.
+    assert all(set(s) <= set(order) and s == sorted(s, key=order.index) for s in seen[2]) and seen[2][-1] == order
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert all(r["threads"] == threads for r in two) and all(r["threads"] is None for r in one)
     for a, b in zip(one, two):  # the same training; matmuls on fewer threads may sum in another order

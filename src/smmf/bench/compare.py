@@ -3,8 +3,8 @@
 Same seed, initialization and batch order for every optimizer; ``--seeds K`` repeats every run on K
 seeds and reports each figure as mean ± standard deviation over them. Writes a markdown and CSV
 table, a JSON with every curve, and PNG plots (mean curves with a min–max band) to ``--out``.
-The default run is the paper's five optimizers and SMMF with ``momentum_shape="natural"`` on the two
-quick tasks; ``--tasks stdlib-lm,finetune-lm`` and the peers (``--optimizers ...,torchao-adamw8bit``)
+The default run is the paper's five optimizers and SMMF's recommended option (``smmf.RECOMMENDED``) on
+the two quick tasks; ``--tasks stdlib-lm,finetune-lm`` and the peers (``--optimizers ...,torchao-adamw8bit``)
 are opt-in. A peer whose package is missing is a skipped row, with a note.
 """
 
@@ -19,9 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -201,7 +202,7 @@ def smmf_note(results: list[dict[str, Any]]) -> str:
     return "; ".join(notes) + "." if notes else ""
 
 
-def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
+def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path, plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     headers, rows = summary_rows(results)
     note = smmf_note(results)
@@ -212,7 +213,7 @@ def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path
     (out / "results.csv").write_text(format_table(headers, rows, "csv"))
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     ran = [r for r in results if not r.get("skipped")]
-    if ran:
+    if ran and plots:
         plot_all(ran, out)
 
 
@@ -229,43 +230,57 @@ def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device)
 
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,
         opt_args: list[str], quick: bool, show_progress: bool = True, seeds: int = 1, cache: Optional[str] = None,
-        pretrain_steps: Optional[int] = None, jobs: int = 1) -> list[dict[str, Any]]:
+        pretrain_steps: Optional[int] = None, jobs: int = 1,
+        finished: Optional[Callable[[list[dict[str, Any]]], None]] = None) -> list[dict[str, Any]]:
     """Every (task, optimizer, seed) run, each in a fresh process (see :func:`train_in_fresh_process`);
-    seeds ``seed .. seed + seeds - 1``. An optimizer whose package is missing gets one skipped entry
-    per task (and a note on stderr) instead of runs. ``cache`` and ``pretrain_steps`` are finetune-lm's.
-    ``jobs``: runs at a time on CPU, each with an equal share of the cores (a line per finished run
-    then stands in for the progress bars)."""
-    results: list[Any] = []
+    seeds ``seed .. seed + seeds - 1``, every optimizer's first seed before any second one. An optimizer
+    whose package is missing gets one skipped entry per task (and a note on stderr) instead of runs.
+    ``cache`` and ``pretrain_steps`` are finetune-lm's. ``jobs``: runs at a time, each in its own process
+    with an equal share of the CPU cores (a line per finished run then stands in for the progress bars).
+    ``finished`` is called with the results so far (in submission order) whenever a run ends, so that a
+    long study that is stopped keeps what it finished."""
+    slots: list[Any] = []
     pool = ThreadPoolExecutor(max_workers=jobs) if jobs > 1 else None
     threads = max(1, _cores() // jobs) if pool is not None else None
     skipped = {name: why for name in optimizers if (why := missing_package(optimizer_specs("cnn")[name]))}
     for name, why in skipped.items():
         print(f"{PROG}: skipping {name}: {why}", file=sys.stderr, flush=True)
+    lock = threading.Lock()
+
+    def done(_: Any = None) -> None:
+        if finished is not None:
+            with lock:
+                finished([s.result() if isinstance(s, Future) else s for s in list(slots)
+                          if not isinstance(s, Future) or (s.done() and s.exception() is None)])
+
     for task_name in tasks:
         task = make_task(task_name, cache, pretrain_steps, str(device))
         n_steps = steps or (20 if quick else task.default_steps)
         eval_every = max(1, n_steps // (4 if quick else 20))
         if task.prepare is not None and any(name not in skipped for name in optimizers):
             task.prepare(show_progress)  # once, here, so that no run's time includes it
-        for name in optimizers:
-            if name in skipped:
-                label = optimizer_specs(task.kind)[name].label
-                results.append({"task": task_name, "optimizer": name, "label": label, "skipped": skipped[name],
-                                "seed": seed})
-                continue
-            for run_seed in range(seed, seed + seeds):
+        for run_seed in range(seed, seed + seeds):
+            for name in optimizers:
+                if name in skipped:
+                    if run_seed == seed:
+                        label = optimizer_specs(task.kind)[name].label
+                        slots.append({"task": task_name, "optimizer": name, "label": label, "skipped": skipped[name],
+                                      "seed": seed})
+                    continue
                 job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
                            steps=n_steps, eval_every=eval_every, seed=run_seed, device=str(device),
                            progress=show_progress and pool is None, cache=cache, pretrain_steps=pretrain_steps,
                            threads=threads)
                 if pool is None:
-                    results.append(_timed_run(job))
+                    slots.append(_timed_run(job))
+                    done()
                 else:
-                    results.append(pool.submit(_timed_run, job, show_progress))
+                    slots.append(future := pool.submit(_timed_run, job, show_progress))
+                    future.add_done_callback(done)
     if pool is not None:
         with pool:
-            results = [r if isinstance(r, dict) else r.result() for r in results]
-    return results
+            return [s if isinstance(s, dict) else s.result() for s in slots]
+    return slots
 
 
 def _cores() -> int:
@@ -333,7 +348,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                         help=f"finetune-lm: AdamW steps of its pretraining on stdlib-lm (default {PRETRAIN_STEPS})")
     parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
                         help="runs at a time, each in its own process with an equal share of the CPU cores "
-                             f"(default: {DEFAULT_JOBS}; 1 on CUDA)")
+                             f"(on CUDA all share the GPU, and so do their step times) (default: {DEFAULT_JOBS})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
@@ -382,17 +397,20 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         return 0
     tasks, optimizers, device, _, out = check_args(args)
     started = time.time()
-    jobs = 1 if device.type == "cuda" else args.jobs
-    results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds,
-                  cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=jobs)
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),
         "code": _code_version(),
         "machine": _machine(device),
-        "seconds": time.time() - started,
         "seeds": list(range(args.seed, args.seed + args.seeds)),
-        "jobs": jobs,
+        "jobs": args.jobs,
     }
+
+    def so_far(results: list[dict[str, Any]]) -> None:  # the tables (not the plots) after every run
+        write_outputs(results, {**meta, "seconds": time.time() - started, "complete": False}, out, plots=False)
+
+    results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds,
+                  cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=args.jobs, finished=so_far)
+    meta |= {"seconds": time.time() - started, "complete": True}
     write_outputs(results, meta, out)
     headers, rows = summary_rows(results)
     print(format_table(headers, rows))
