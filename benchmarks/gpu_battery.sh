@@ -4,11 +4,15 @@
 # (tests/triton_parity.py on CUDA beside the CUDA-related tests), the step geometry tried round-robin
 # with fused AdamW (benchmarks/gpu_tune.py), `smmf bench --device cuda` (52M GPT-2-like, ResNet-50,
 # 1.56B GPT-2-XL-like; the opt-in momentum codes), and `smmf bench --training --device cuda`
-# (GPT-2 medium and large; the largest model within 24 GiB and within the card).
+# (GPT-2 medium and large; the largest model within 24 GiB and within the card); opt-in, `study`:
+# `smmf compare` on stdlib-lm and finetune-lm with the peers, 3 seeds, runs side by side on the GPU
+# (partial results are kept when a task hits its limit), beside the tests.
 # Writes at most 8 files to $OUT (default ./gpu-out). Needs torch with CUDA, triton, numba, transformers,
-# pytest, pytest-xdist, pytest-timeout and hypothesis.
-#   bash benchmarks/gpu_battery.sh            # everything
+# pytest, pytest-xdist, pytest-timeout and hypothesis (the study: pytorch_optimizer and the peers, which
+# may come on PYTHONPATH).
+#   bash benchmarks/gpu_battery.sh            # tests tune bench training
 #   STAGES="tests tune" bash benchmarks/gpu_battery.sh
+#   STAGES="tests study" STUDY_S="330 180" bash benchmarks/gpu_battery.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -22,18 +26,33 @@ wanted() { [[ " $STAGES " == *" $1 "* ]]; }
   python3 -c "import torch, triton, numba; print('torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 } > "$OUT/env.txt" 2>&1
+tests() {
+  # Correctness only, so it may run beside the study: the CUDA-related tests, test_triton.py running the
+  # parity script on the GPU. -rf names each failure in the summary, and a per-test limit keeps one hang
+  # from taking the stage (an H200 run once lost its summary to the stage's).
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short --timeout 240 -n 6 tests/test_cuda.py \
+    tests/test_triton.py tests/test_fused_kernels.py tests/test_checkpoint.py tests/test_step_in_backward.py \
+    > "$OUT/tests_cuda.log" 2>&1
+  echo "cuda tests rc=$?" | tee -a "$LOG"; tail -3 "$OUT/tests_cuda.log" >> "$LOG"
+}
 if wanted tests; then
   stage tests
-  # Correctness only, so the two run side by side: the parity script and the CUDA-related tests
-  # (test_triton.py would run the parity script again). -rf names each failure in the summary, and a
-  # per-test limit keeps one hang from taking the stage (an H200 run once lost its summary to the stage's).
-  timeout 240 python3 tests/triton_parity.py > "$OUT/parity.log" 2>&1 &
-  parity=$!
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short --timeout 120 -n 8 tests/test_cuda.py \
-    tests/test_fused_kernels.py tests/test_checkpoint.py > "$OUT/tests_cuda.log" 2>&1
-  echo "cuda tests rc=$?" | tee -a "$LOG"
-  wait $parity; echo "parity rc=$?" | tee -a "$LOG"
-  tail -3 "$OUT/tests_cuda.log" >> "$LOG"; tail -2 "$OUT/parity.log" >> "$LOG"
+  if wanted study; then tests & tests_pid=$!; else tests; fi
+fi
+if wanted study; then
+  stage study
+  read -r -a limits <<< "${STUDY_S:-330 180}"
+  i=0
+  for task in stdlib-lm finetune-lm; do
+    timeout "${limits[$i]}" python3 -m smmf.cli compare --device cuda --tasks $task --seeds 3 --jobs 8 \
+      --optimizers adamw,adam,adafactor,sm3,came,smmf,smmf-natural,smmf-natural-flag,smmf-recommended,torchao-adamw8bit,torchao-adamw4bit,bnb-adamw8bit,adv-adamw-factored \
+      --cache runs/cache --out "runs/study-$task" > "runs/study-$task.log" 2>&1
+    echo "study $task rc=$? ($(date +%T))" | tee -a "$LOG"
+    grep -v "it/s\]\|Warning\|warn" "runs/study-$task.log" | tail -25 >> "$LOG"
+    cp "runs/study-$task/results.json" "$OUT/study-$task.json"
+    i=$((i + 1))
+  done
+  [[ -n "${tests_pid:-}" ]] && wait "$tests_pid"
 fi
 if wanted tune; then
   stage tune  # two JSON documents, fp32 then bf16
