@@ -1,4 +1,5 @@
-"""Interleaved A/B of the fused CPU step between two commits, on the 52M GPT-2-like shape set.
+"""Interleaved A/B of the fused CPU step between two commits, on the 52M GPT-2-like shape set
+(``--set resnet50``: ResNet-50's, many small tensors).
 
 Each commit is checked out into a temporary worktree; rounds alternate between them (ABBA: which
 goes first alternates too), each a fresh process (warm numba cache: one untimed process per commit first) timing the median of ``--steps``
@@ -24,16 +25,17 @@ from typing import Callable
 from worktrees import checked_out
 
 
-# A fresh process's median step over the 52M set: argv[1] steps, argv[2] the optimizer (an expression of
-# ``params``; SMMF's defaults when left out). Shared with code_step_time.py.
+# A fresh process's median step over the 52M set (or $AB_SHAPES, a function of smmf.bench.shapes): argv[1]
+# steps, argv[2] the optimizer (an expression of ``params``; SMMF's defaults when left out). Shared with
+# code_step_time.py.
 CHILD = r"""
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 import torch
 import smmf
 from smmf import SMMF
-from smmf.bench.shapes import gpt2_like_shapes
+from smmf.bench import shapes
 torch.manual_seed(0)
-params = [torch.nn.Parameter(torch.randn(s)) for s in gpt2_like_shapes()]
+params = [torch.nn.Parameter(torch.randn(s)) for s in getattr(shapes, os.environ.get("AB_SHAPES", "gpt2_like_shapes"))()]
 for p in params:
     p.grad = torch.randn_like(p)
 opt = eval(sys.argv[2]) if len(sys.argv) > 2 else SMMF(params, lr=1e-3)
@@ -68,13 +70,18 @@ def interleaved_rounds(runs: dict[str, Callable[[], float]], rounds: int) -> dic
     return medians
 
 
+SETS = {"gpt2-52M": "gpt2_like_shapes", "resnet50": "resnet50_shapes"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before")
     parser.add_argument("after")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--set", choices=list(SETS), default="gpt2-52M")
     args = parser.parse_args()
+    os.environ["AB_SHAPES"] = SETS[args.set]
     with tempfile.TemporaryDirectory() as tmp, checked_out([args.before, args.after], Path(tmp)) as trees:
         for tree in trees.values():
             _time(tree, 1)  # compile and cache the kernels

@@ -56,14 +56,15 @@ def test_numba_flag_levels_are_flag_levels() -> None:
 
 
 def test_the_cheap_layout_keys_are_state_layouts() -> None:
-    """``check_state_fits`` compares key sets from ``_layout_keys`` at every step; they must be
-    :func:`smmf.state.state_layout`'s keys for every code of M."""
-    from smmf.state import _layout_keys, state_layout
+    """``check_state_fits`` compares key sets from ``_STATE_KEYS`` at every step; they must be
+    :func:`smmf.state.state_layout`'s keys (and ``step``) for every code of M."""
+    from smmf.state import _STATE_KEYS, STEP, momentum_code, state_layout
 
     for shape in [(7,), (5, 6), (3, 4, 5)]:
         p = torch.zeros(shape)
         for beta in (0.9, None):
             for vector_reshape in (True, False):
-                for options in ({}, {"momentum_shape": "natural"}, {"magnitude_bits": 1}):
+                for options in ({}, {"momentum_shape": "natural"}, {"magnitude_bits": 1}, {"magnitude_bits": 3}):
                     group = {"beta": beta, "vector_reshape": vector_reshape, **options}
-                    assert _layout_keys(p, group) == set(state_layout(p, group)), (shape, group)
+                    keys = _STATE_KEYS[momentum_code(p, group), beta is not None]
+                    assert keys == set(state_layout(p, group)) | {STEP}, (shape, group)

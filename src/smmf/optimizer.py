@@ -167,12 +167,13 @@ class NonfiniteMonitor:
         )
 
 
-def _mark_written(kernel: Kernel, param: Tensor, state: dict[str, Any]) -> None:
-    """Bump the autograd version of what a fused kernel wrote through raw pointers, as an in-place
-    torch op would (the torch path's own in-place ops do it)."""
+def _mark_written(kernel: Kernel, written: list[tuple[Tensor, dict[str, Any]]]) -> None:
+    """Bump the autograd version of what a fused kernel wrote through raw pointers (each param and
+    its state), as an in-place torch op would (the torch path's own in-place ops do it); one call
+    for them all, as this runs for every param at every step."""
     if kernel.raw_writes:
-        for tensor in (param, *(t for t in state.values() if isinstance(t, Tensor))):
-            torch.autograd.graph.increment_version(tensor)
+        torch.autograd.graph.increment_version(
+            [t for param, state in written for t in (param, *state.values()) if isinstance(t, Tensor)])
 
 
 def _reject_flattened(param: Tensor) -> None:
@@ -384,11 +385,11 @@ class SMMF(Optimizer):
                 continue
             _check_grad(param, grad)
             state = self.state.get(param)
+            code = momentum_code(param, group)
             if state:
-                check_state_fits(param, group, state)
+                check_state_fits(param, group, state, code)
             else:
                 state = init_state(param, group)
-            code = momentum_code(param, group)
             work.append((group, param, grad, state, code, step_kernel(group["backend"], param, code)))
         self._nonfinite.poll()
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
@@ -405,14 +406,13 @@ class SMMF(Optimizer):
                 if not kernel.batched:
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()
-                    _mark_written(kernel, param, state)
+                    _mark_written(kernel, [(param, state)])
                     self._nonfinite.report(nonfinite)
                 else:
                     batches.setdefault(kernel, []).append((param, grad, state, cfg))
             for kernel, items in batches.items():
                 nonfinite = kernel.steps_(items)
-                for param, _, state, _ in items:
-                    _mark_written(kernel, param, state)
+                _mark_written(kernel, [(param, state) for param, _, state, _ in items])
                 done = {id(param) for param, *_ in items}
                 pending = [entry for entry in pending if id(entry[0]) not in done]
                 self._nonfinite.report(nonfinite)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -131,19 +131,22 @@ def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpe
     return layout
 
 
-def _layout_keys(param: Tensor, group: Mapping[str, Any]) -> set[str]:
-    """The keys of :func:`state_layout`, without its shapes (checked at every step: kept cheap)."""
-    code = momentum_code(param, group)
+def _keys_of(code: MomentumCode, beta: bool) -> frozenset[str]:
     if code is MomentumCode.DENSE:
-        return {EXP_AVG_SQ} | ({EXP_AVG} if group["beta"] is not None else set())
+        return frozenset({EXP_AVG_SQ} | ({EXP_AVG} if beta else set()))
     keys = {ROW_V, COL_V}
     if code is MomentumCode.LEVELS:
-        return keys | {CODES_M, SCALES_M}
+        return frozenset(keys | {CODES_M, SCALES_M})
     if code is not MomentumCode.NONE:
         keys |= {ROW_M, COL_M, SIGN_M}
     if code is MomentumCode.FLAG:
         keys |= {FLAG_M, LEVELS_M}
-    return keys
+    return frozenset(keys)
+
+
+# The keys of :func:`state_layout` and ``step`` for each code (and, for DENSE, with a first moment or not),
+# written once: checked at every step of every param, so kept cheap.
+_STATE_KEYS = {(code, beta): _keys_of(code, beta) | {STEP} for code in MomentumCode for beta in (False, True)}
 
 
 def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,14 +181,17 @@ def levels_state(spec: TensorSpec, param: Tensor, info: Any) -> Tensor:
     return as_state(torch.zeros(spec.shape, dtype=spec.dtype, device=local(param).device), info, sharded=False)
 
 
-def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any],
+                     code: Optional[MomentumCode] = None) -> None:
     """Raise ``RuntimeError`` unless the live ``state`` has the keys and shapes ``param`` needs now
     under ``group``'s options (a param whose ``.data`` was swapped for another shape would make the
     kernels read and write out of bounds; a group option changed mid-run that decides the layout —
     ``beta`` to or from None, ``vector_reshape``, ``momentum_shape``, ``magnitude_bits`` — would be
-    ignored, and the optimizer could then not load its own checkpoint)."""
+    ignored, and the optimizer could then not load its own checkpoint). ``code``: ``param``'s
+    :func:`momentum_code` under ``group``, where the caller has it."""
     real = real_view(param)
-    if state.keys() - {STEP} != _layout_keys(param, group):  # the state was made under another code
+    code = momentum_code(param, group) if code is None else code
+    if state.keys() != _STATE_KEYS[code, group["beta"] is not None]:  # the state was made under another code
         _refuse_layout_change()
     if EXP_AVG_SQ in state:
         got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)
