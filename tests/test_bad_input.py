@@ -101,3 +101,18 @@ def test_integer_params_are_rejected_at_construction(dtype: torch.dtype) -> None
 def test_non_numeric_hyperparameters_are_a_clear_error(name: str, value) -> None:
     with pytest.raises(ValueError, match=f"{name} should be a"):
         SMMF([torch.nn.Parameter(torch.zeros(2))], **{name: value})
+
+
+def test_a_state_without_its_step_count_is_refused_before_anything_changes() -> None:
+    """A state edited to lose its ``step`` used to fail with a KeyError part-way through a step,
+    after the params before it had been stepped."""
+    params = [torch.nn.Parameter(torch.randn(6, 6)) for _ in range(3)]
+    opt = SMMF(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    del opt.state[params[1]]["step"]
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="without its 'step' count"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))

@@ -69,6 +69,7 @@ def test_cli_quick_run_writes_all_outputs(tmp_path, monkeypatch) -> None:
     assert writes == [(k, False, False) for k in range(1, runs + 1)] + [(runs, True, True)]
     for name in ("results.md", "results.csv", "results.json", "loss.png", "metric.png", "state_memory.png"):
         assert (out / name).stat().st_size > 0, name
+    assert not list(out.glob("*.partial"))  # each file written whole, then renamed into place
     data = json.loads((out / "results.json").read_text())
     runs = {(r["task"], r["optimizer"]) for r in data["results"]}
     assert runs == {(t, o) for t in DEFAULT_TASKS for o in DEFAULT_OPTIMIZERS}
@@ -98,6 +99,18 @@ def test_jobs_run_side_by_side_keep_the_order_and_report_every_finished_run() ->
     for a, b in zip(one, two):  # the same training; matmuls on fewer threads may sum in another order
         assert len(a["losses"]) == len(b["losses"]) == 4
         assert a["losses"][0] == pytest.approx(b["losses"][0], rel=1e-5)
+
+
+def test_a_failing_report_of_finished_runs_does_not_stop_the_study(capsys) -> None:
+    from smmf.bench.compare import run
+
+    def fail(results: list) -> None:
+        raise OSError("disk full")
+
+    results = run(tasks=["digits-cnn"], optimizers=["smmf"], steps=2, seed=0, device=torch.device("cpu"),
+                  opt_args=[], quick=True, show_progress=False, finished=fail)
+    assert [r["optimizer"] for r in results] == ["smmf"]
+    assert "could not write the results so far: OSError: disk full" in capsys.readouterr().err
 
 
 def test_compare_reports_mean_and_spread_over_seeds() -> None:

@@ -22,7 +22,16 @@ def _net(width: int) -> torch.nn.Module:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("width", [32, 5000], ids=["shared_launch", "own_launch"])
 @pytest.mark.parametrize("magnitude_bits", [0, 1], ids=["paper", "flag"])
-def test_autograd_refuses_a_graph_whose_weights_the_step_changed(backend: str, width: int, magnitude_bits: int) -> None:
+@pytest.mark.parametrize("bump_many", [True, False], ids=["one_bump", "a_bump_per_tensor"])
+def test_autograd_refuses_a_graph_whose_weights_the_step_changed(backend: str, width: int, magnitude_bits: int,
+                                                                 bump_many: bool, monkeypatch) -> None:
+    """Either way of bumping versions: one call for a launch, or one per tensor where torch's
+    increment_version takes a single tensor (older torch)."""
+    from smmf import optimizer
+
+    if bump_many and not optimizer._VERSION_BUMP_TAKES_MANY:
+        pytest.skip("this torch's increment_version takes one tensor")
+    monkeypatch.setattr(optimizer, "_VERSION_BUMP_TAKES_MANY", bump_many)
     net = _net(width)
     opt = SMMF(net.parameters(), backend=backend, magnitude_bits=magnitude_bits)
     loss = net(torch.randn(4, 16)).pow(2).mean()

@@ -172,8 +172,24 @@ def _mark_written(kernel: Kernel, written: list[tuple[Tensor, dict[str, Any]]]) 
     its state), as an in-place torch op would (the torch path's own in-place ops do it); one call
     for them all, as this runs for every param at every step."""
     if kernel.raw_writes:
-        torch.autograd.graph.increment_version(
-            [t for param, state in written for t in (param, *state.values()) if isinstance(t, Tensor)])
+        tensors = [t for param, state in written for t in (param, *state.values()) if isinstance(t, Tensor)]
+        if _VERSION_BUMP_TAKES_MANY:
+            torch.autograd.graph.increment_version(tensors)
+        else:
+            for tensor in tensors:
+                torch.autograd.graph.increment_version(tensor)
+
+
+def _version_bump_takes_many() -> bool:
+    """Whether this torch's ``increment_version`` takes a list (newer than the oldest torch supported)."""
+    try:
+        torch.autograd.graph.increment_version([torch.zeros(1)])
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+_VERSION_BUMP_TAKES_MANY = _version_bump_takes_many()
 
 
 def _reject_flattened(param: Tensor) -> None:

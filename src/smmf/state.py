@@ -191,8 +191,11 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
     :func:`momentum_code` under ``group``, where the caller has it."""
     real = real_view(param)
     code = momentum_code(param, group) if code is None else code
-    if state.keys() != _STATE_KEYS[code, group["beta"] is not None]:  # the state was made under another code
-        _refuse_layout_change()
+    if state.keys() != _STATE_KEYS[code, group["beta"] is not None]:
+        if STEP not in state:
+            raise RuntimeError(f"a parameter of shape {tuple(param.shape)} has SMMF state without its 'step' count: "
+                               "was the optimizer's state edited? Build a new optimizer or load a checkpoint")
+        _refuse_layout_change()  # the state was made under another code
     if EXP_AVG_SQ in state:
         got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)
         if is_dtensor(state[EXP_AVG_SQ]) or got == need:

@@ -202,16 +202,23 @@ def smmf_note(results: list[dict[str, Any]]) -> str:
     return "; ".join(notes) + "." if notes else ""
 
 
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all: a study stopped by a signal mid-write keeps the previous complete file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path, plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     headers, rows = summary_rows(results)
     note = smmf_note(results)
-    (out / "results.md").write_text(
+    _write(out / "results.md",
         f"Command: `{meta['command']}`  \nCode: commit {meta['code']}  \nMachine: {meta['machine']}\n\n"
         + format_table(headers, rows, "markdown") + (f"\n{note}\n" if note else "")
     )
-    (out / "results.csv").write_text(format_table(headers, rows, "csv"))
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    _write(out / "results.csv", format_table(headers, rows, "csv"))
+    _write(out / "results.json", json.dumps({"meta": meta, "results": results}, indent=1))
     ran = [r for r in results if not r.get("skipped")]
     if ran and plots:
         plot_all(ran, out)
@@ -248,10 +255,15 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
     lock = threading.Lock()
 
     def done(_: Any = None) -> None:
-        if finished is not None:
-            with lock:
+        if finished is None:
+            return
+        with lock:
+            try:
                 finished([s.result() if isinstance(s, Future) else s for s in list(slots)
                           if not isinstance(s, Future) or (s.done() and s.exception() is None)])
+            except Exception as err:  # the runs go on either way (a pool would swallow it; say so instead)
+                print(f"{PROG}: could not write the results so far: {type(err).__name__}: {err}", file=sys.stderr,
+                      flush=True)
 
     for task_name in tasks:
         task = make_task(task_name, cache, pretrain_steps, str(device))
