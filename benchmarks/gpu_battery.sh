@@ -28,12 +28,13 @@ wanted() { [[ " $STAGES " == *" $1 "* ]]; }
 } > "$OUT/env.txt" 2>&1
 tests() {
   # Correctness only, so it may run beside the study: the CUDA-related tests, test_triton.py running the
-  # parity script on the GPU. -rf names each failure in the summary, and a per-test limit keeps one hang
-  # from taking the stage (an H200 run once lost its summary to the stage's).
-  timeout 330 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short --timeout 240 -n 6 tests/test_cuda.py \
+  # parity script on the GPU. -v names every test as it ends (two H200 runs lost the summary, and with it
+  # the failures' names, to the stage's limit), and a per-test limit keeps one hang from taking the stage.
+  timeout 330 python3 -m pytest -v -p no:cacheprovider -rfs --tb=short --timeout 200 -n 6 tests/test_cuda.py \
     tests/test_triton.py tests/test_fused_kernels.py tests/test_checkpoint.py tests/test_step_in_backward.py \
     > "$OUT/tests_cuda.log" 2>&1
-  echo "cuda tests rc=$?" | tee -a "$LOG"; tail -3 "$OUT/tests_cuda.log" >> "$LOG"
+  echo "cuda tests rc=$?" | tee -a "$LOG"; grep -E "FAILED|ERROR" "$OUT/tests_cuda.log" >> "$LOG"
+  tail -3 "$OUT/tests_cuda.log" >> "$LOG"
 }
 if wanted tests; then
   stage tests
@@ -42,14 +43,16 @@ fi
 if wanted study; then
   stage study
   read -r -a limits <<< "${STUDY_S:-330 180}"
+  mkdir -p runs  # ignored by git: a fresh copy of the checkout has none
   i=0
   for task in stdlib-lm finetune-lm; do
-    timeout "${limits[$i]}" python3 -m smmf.cli compare --device cuda --tasks $task --seeds 3 --jobs 8 \
+    timeout "${limits[$i]:-180}" python3 -m smmf.cli compare --device cuda --tasks $task --seeds 3 --jobs 8 \
       --optimizers adamw,adam,adafactor,sm3,came,smmf,smmf-natural,smmf-natural-flag,smmf-recommended,torchao-adamw8bit,torchao-adamw4bit,bnb-adamw8bit,adv-adamw-factored \
       --cache runs/cache --out "runs/study-$task" > "runs/study-$task.log" 2>&1
     echo "study $task rc=$? ($(date +%T))" | tee -a "$LOG"
     grep -v "it/s\]\|Warning\|warn" "runs/study-$task.log" | tail -25 >> "$LOG"
-    cp "runs/study-$task/results.json" "$OUT/study-$task.json"
+    if [[ -f "runs/study-$task/results.json" ]]; then cp "runs/study-$task/results.json" "$OUT/study-$task.json"
+    else echo "study $task: no run finished" | tee -a "$LOG"; fi
     i=$((i + 1))
   done
   [[ -n "${tests_pid:-}" ]] && wait "$tests_pid"
