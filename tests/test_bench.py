@@ -145,3 +145,37 @@ def test_the_largest_model_search_fits_its_budget(monkeypatch) -> None:
     assert training_cuda.largest_fitting("SMMF", 24 * 2**30, cpu)["layers"] == 10
     assert training_cuda.largest_fitting("SMMF", 1000 * 2**30, cpu)["layers"] <= 40
     assert training_cuda.largest_fitting("SMMF", 2 * 2**30, cpu)["layers"] == 0
+
+    def small_gpu(shape, batch, seq, config, device, warm, timed):  # out of memory past 4 layers
+        return fake_train((shape[0] * 10, *shape[1:]), batch, seq, config, device, warm, timed)
+
+    monkeypatch.setattr(training_cuda, "train", small_gpu)  # 6 layers fail: the search used to report none
+    assert training_cuda.largest_fitting("SMMF", 1000 * 2**30, cpu)["layers"] == 4
+
+
+@pytest.mark.parametrize("case", ["linear", "oom_past_4", "flat", "budget_below_low", "curved", "barely"])
+def test_the_depth_search_never_returns_a_depth_over_budget(case: str) -> None:
+    """The search's edge cases: the deeper of the two first runs out of memory (no line to follow),
+    peaks that do not grow (no slope), a budget the shallowest run misses, a peak that grows faster
+    than the line predicts, and a budget the line overshoots by a fraction of a layer. Used to divide
+    by a zero slope, fail an assert, or return a depth over budget when it reached 1 layer."""
+    from smmf.bench.training_memory import deepest_within
+
+    peak = {"linear": lambda n: 3 + 2 * n, "oom_past_4": lambda n: 3 + 2 * n, "flat": lambda n: 10,
+            "budget_below_low": lambda n: 30 + n, "curved": lambda n: 3 + n * n / 4, "barely": lambda n: 3.5 + 2 * n}[case]
+    budget = 24
+    runs = []
+
+    def measure(layers: int):
+        runs.append(layers)
+        if layers < 1 or (case == "oom_past_4" and layers > 4):
+            return None
+        return {"peak": peak(layers), "params": layers}
+
+    layers, found, _ = deepest_within(measure, budget, 2, 6)
+    if case == "budget_below_low":
+        assert (layers, found) == (0, None)
+        return
+    assert found is not None and found["peak"] <= budget and layers >= 2
+    assert {"linear": 10, "oom_past_4": 4, "flat": 6, "curved": 9, "barely": 10}[case] == layers  # the deepest
+    assert len(runs) < 12 and min(runs) >= 2

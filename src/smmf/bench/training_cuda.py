@@ -26,7 +26,7 @@ import torch
 
 from ..memory import state_bytes
 from ..table import format_table
-from .training_memory import build_gpt2
+from .training_memory import build_gpt2, deepest_within
 
 GIB = 2**30
 # name: (n_layer, n_embd, n_head)
@@ -127,9 +127,8 @@ def run(device: torch.device, show_progress: bool = True) -> list[dict[str, Any]
 def largest_fitting(config: str, budget: int, device: torch.device, width: int = 1600, heads: int = 25,
                     batch: int = 1, seq: int = 512) -> dict[str, Any]:
     """The deepest GPT-2-shaped model (``width`` wide, GPT-2 XL's by default) whose training steps peak
-    within ``budget`` bytes: peak is about linear in depth, so two measured depths give the line, and
-    the depth it predicts is trained (and stepped back by the measured excess, or a tenth on running
-    out of memory, while it does not fit). A depth found this way fits; a few more layers may too."""
+    within ``budget`` bytes (:func:`~smmf.bench.training_memory.deepest_within` from 2 and 6 layers, a
+    run out of memory counting as over; 0 layers when 2 do not fit)."""
     def measure(layers: int) -> Optional[dict[str, Any]]:
         try:
             return train((layers, width, heads), batch, seq, config, device, warm=2, timed=1)
@@ -138,17 +137,9 @@ def largest_fitting(config: str, budget: int, device: torch.device, width: int =
         _free(device)  # outside the handler: its traceback holds the failed run's tensors
         return None
 
-    low, high = measure(2), measure(6)
-    if low is None or high is None or low["peak"] > budget:
+    layers, found, per_layer = deepest_within(measure, budget, 2, 6)
+    if found is None:
         return dict(config=config, budget=budget, layers=0, params=0, peak=None, per_layer=None)
-    per_layer = (high["peak"] - low["peak"]) / 4
-    layers = max(1, int(2 + (budget - low["peak"]) // per_layer))
-    found = measure(layers)
-    while (found is None or found["peak"] > budget) and layers > 1:
-        over = layers // 10 if found is None else int(-(-(found["peak"] - budget) // per_layer))
-        layers -= max(1, over)
-        found = measure(layers)
-    assert found is not None
     result = dict(config=config, budget=budget, layers=layers, width=width, params=found["params"],
                   peak=found["peak"], per_layer=per_layer, tokens_per_second=found["tokens_per_second"])
     print(json.dumps(result), file=sys.stderr, flush=True)

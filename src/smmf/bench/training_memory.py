@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -147,23 +147,59 @@ def warm_kernel_cache(configs: list[str], device: str) -> None:
             run_fresh("warm-up", config, WARM_UP_SHAPE, device)
 
 
+Measured = Optional[dict[str, Any]]  # a training run's figures ("peak" bytes among them); None: out of memory
+
+
+def deepest_within(measure: Callable[[int], Measured], budget: int, low: int, high: int
+                   ) -> tuple[int, Measured, Optional[float]]:
+    """The deepest depth whose run (``measure(layers)``) peaks within ``budget``, its run, and the bytes
+    per layer. Peak is about linear in depth, so depths ``low`` and ``high`` give the line; the depth it
+    predicts is measured and stepped back (by the measured excess, or a tenth after a run out of memory)
+    while it does not fit, never below ``low``, which fits; then the gap to the shallowest depth seen to
+    fail is bisected. Without a line (the deeper run failed, or peaks did not grow) the search starts
+    from ``high``; when every depth measured fits, the deepest of them is the answer (more may fit).
+    ``(0, None, None)`` when ``low`` layers do not fit."""
+    def fits(found: Measured) -> bool:
+        return found is not None and found["peak"] <= budget
+
+    base = measure(low)
+    if not fits(base):
+        return 0, None, None
+    assert base is not None
+    top = measure(high)
+    per_layer = (top["peak"] - base["peak"]) / (high - low) if top is not None else None
+    if per_layer is not None and per_layer > 0:
+        layers = max(low + int((budget - base["peak"]) // per_layer), high if fits(top) else low)
+    else:
+        per_layer = None
+        layers = high
+    failed = None if fits(top) else high  # the shallowest depth seen not to fit
+    found = {low: base, high: top}.get(layers) if layers in (low, high) else measure(layers)
+    while not fits(found) and layers > low:
+        failed = layers if failed is None else min(failed, layers)
+        over = -(-(found["peak"] - budget) // per_layer) if found is not None and per_layer else layers // 10
+        layers = max(low, layers - max(1, int(over)))
+        found = base if layers == low else measure(layers)
+    while failed is not None and failed - layers > 1:  # the line stepped back too far: bisect the gap
+        middle = (layers + failed) // 2
+        run = measure(middle)
+        if fits(run):
+            layers, found = middle, run
+        else:
+            failed = middle
+    return layers, found, per_layer
+
+
 def largest_fitting(config: str, budget: int, device: str, width: int = 1024, heads: int = 16) -> dict[str, Any]:
     """The deepest GPT-2-shaped model (``width`` wide, batch 1×128) whose three training steps peak
-    within ``budget`` bytes: peak is about linear in depth, so two measured depths give the line, and
-    the depth it predicts is measured (and stepped back by the measured excess while it is over). A
-    depth found this way fits; one more layer may fit too (not searched)."""
+    within ``budget`` bytes (:func:`deepest_within` from 4 and 24 layers; 0 layers when 4 do not fit)."""
     def measure(layers: int) -> dict[str, Any]:
         return run_fresh(f"{layers} layers", config, (layers, width, heads, 1, 128), device)
 
-    low, high = measure(4), measure(24)
-    per_layer = (high["peak"] - low["peak"]) / 20
-    layers = int(4 + (budget - low["peak"]) // per_layer)
-    found = measure(layers)
-    while found["peak"] > budget and layers > 1:  # step back by the measured excess, a layer at least
-        layers -= max(1, int(-(-(found["peak"] - budget) // per_layer)))
-        found = measure(layers)
-    return dict(config=config, budget=budget, layers=layers, params=found["params"], peak=found["peak"],
-                per_layer=per_layer, fixed=low["peak"] - 4 * per_layer)
+    layers, found, per_layer = deepest_within(measure, budget, 4, 24)
+    return dict(config=config, budget=budget, layers=layers, params=found["params"] if found else 0,
+                peak=found["peak"] if found else None, per_layer=per_layer,
+                fixed=found["peak"] - layers * per_layer if found and per_layer else None)
 
 
 def format_results(results: list[dict[str, Any]], fmt: str = "table") -> str:
