@@ -140,28 +140,6 @@ PYDOC_LM_STEPS = 300
 FUSED_GELU = "gelu_pytorch_tanh"
 
 
-def _lm_model(seed: int) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=256, n_positions=_LM_CONTEXT, n_embd=128, n_layer=4, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        activation_function=FUSED_GELU,
-    )
-    return GPT2LMHeadModel(config)
-
-
-def _lm_batches(seed: int, device: torch.device, batch_size: int = 32) -> Iterator[Batch]:
-    train, _ = pydoc_bytes()
-    gen = torch.Generator().manual_seed(seed)
-    offsets = torch.arange(_LM_CONTEXT + 1)
-    while True:
-        starts = torch.randint(0, len(train) - _LM_CONTEXT - 1, (batch_size,), generator=gen)
-        window = train[starts[:, None] + offsets]
-        yield window[:, :-1].to(device), window[:, 1:].to(device)
-
-
 def _lm_loss(model: nn.Module, batch: Batch) -> Tensor:
     x, y = batch
     logits = model(input_ids=x).logits
@@ -203,6 +181,10 @@ class ByteGPT:
             activation_function=self.activation,
         )
         return GPT2LMHeadModel(config)
+
+
+# pydoc-lm's model: 4 layers, 128 wide, 4 heads, context 128, batches of 32.
+PYDOC_GPT = ByteGPT(n_layer=4, n_embd=128, n_head=4, context=_LM_CONTEXT, batch=32)
 
 
 def _window_batches(stream: Tensor, context: int, batch_size: int, seed: int,
@@ -386,7 +368,9 @@ TASKS: dict[str, Task] = {
         _digits_evaluate,
     ),
     "pydoc-lm": Task(
-        "pydoc-lm", "transformer", "held_out_loss", False, PYDOC_LM_STEPS, _lm_model, _lm_batches, _lm_loss, _lm_evaluate,
+        "pydoc-lm", "transformer", "held_out_loss", False, PYDOC_LM_STEPS, PYDOC_GPT.build,
+        lambda seed, device: _window_batches(pydoc_bytes()[0], PYDOC_GPT.context, PYDOC_GPT.batch, seed, device),
+        _lm_loss, _lm_evaluate,
     ),
 }
 DEFAULT_TASKS = tuple(TASKS)  # the default run; the longer tasks below are opt-in
