@@ -178,4 +178,4 @@ def test_the_depth_search_never_returns_a_depth_over_budget(case: str) -> None:
         return
     assert found is not None and found["peak"] <= budget and layers >= 2
     assert {"linear": 10, "oom_past_4": 4, "flat": 6, "curved": 9, "barely": 10}[case] == layers  # the deepest
-    assert len(runs) < 12 and min(runs) >= 2
+    assert len(runs) < 12 and min(runs) >= 2 and len(runs) == len(set(runs))  # no depth run twice

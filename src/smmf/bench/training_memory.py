@@ -159,32 +159,36 @@ def deepest_within(measure: Callable[[int], Measured], budget: int, low: int, hi
     fail is bisected. Without a line (the deeper run failed, or peaks did not grow) the search starts
     from ``high``; when every depth measured fits, the deepest of them is the answer (more may fit).
     ``(0, None, None)`` when ``low`` layers do not fit."""
+    runs: dict[int, Measured] = {}
+
+    def run(layers: int) -> Measured:  # each depth is measured once
+        if layers not in runs:
+            runs[layers] = measure(layers)
+        return runs[layers]
+
     def fits(found: Measured) -> bool:
         return found is not None and found["peak"] <= budget
 
-    base = measure(low)
-    if not fits(base):
+    base = run(low)
+    if base is None or not fits(base):
         return 0, None, None
-    assert base is not None
-    top = measure(high)
+    top = run(high)
     per_layer = (top["peak"] - base["peak"]) / (high - low) if top is not None else None
     if per_layer is not None and per_layer > 0:
         layers = max(low + int((budget - base["peak"]) // per_layer), high if fits(top) else low)
     else:
-        per_layer = None
-        layers = high
+        per_layer, layers = None, high
     failed = None if fits(top) else high  # the shallowest depth seen not to fit
-    found = {low: base, high: top}.get(layers) if layers in (low, high) else measure(layers)
+    found = run(layers)
     while not fits(found) and layers > low:
         failed = layers if failed is None else min(failed, layers)
         over = -(-(found["peak"] - budget) // per_layer) if found is not None and per_layer else layers // 10
         layers = max(low, layers - max(1, int(over)))
-        found = base if layers == low else measure(layers)
+        found = run(layers)
     while failed is not None and failed - layers > 1:  # the line stepped back too far: bisect the gap
         middle = (layers + failed) // 2
-        run = measure(middle)
-        if fits(run):
-            layers, found = middle, run
+        if fits(run(middle)):
+            layers, found = middle, runs[middle]
         else:
             failed = middle
     return layers, found, per_layer
