@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from momentum_diagnosis import POINTS, code_version, metric_at, train
-from smmf.bench.tasks import ByteGPT, Task, stdlib_lm_task
+from momentum_diagnosis import POINTS, code_version, metric_at, stdlib_lm_small, train
 from smmf.table import format_table
 
 CANDIDATE = "levels3-128-decoupled-wd"
@@ -39,11 +37,6 @@ OPTIMIZERS = ("adamw", BOUND, CANDIDATE, "decoupled-wd")
 LR_SCALES = (0.3, 1.0, 3.0)
 SEEDS = (0, 1, 2)
 STEPS = 400
-
-
-def held_out_task() -> Task:
-    small = ByteGPT(n_layer=4, n_embd=128, n_head=4, context=128, batch=32)
-    return replace(stdlib_lm_task(small, STEPS), name="stdlib-lm-small")
 
 
 def plan() -> list[tuple[str, float, int]]:
@@ -106,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     if not args.report:
         index, count = (int(x) for x in args.shard.split("/"))
-        task = held_out_task()
+        task = stdlib_lm_small(STEPS)
         for name, scale, seed in plan()[index::count]:
             path = run_path(out, name, scale, seed)
             if path.exists():
