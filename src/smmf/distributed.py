@@ -101,9 +101,13 @@ class Band:
 def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
     """The step of a DTensor parameter on the torch path: same contract as
     :func:`smmf.functional.torch_step_`."""
-    info = _info(param)
     local_state = {key: local(value) for key, value in state.items()}
-    weight, local_grad = local(param), local(grad)
+    return _local_step_(param, _info(param), local(param), local(grad), local_state, cfg)
+
+
+def _local_step_(param: Tensor, info: ShardInfo, weight: Tensor, local_grad: Tensor, local_state: dict[str, Any],
+                 cfg: StepConfig) -> Nonfinite:
+    """:func:`sharded_step_` on the local tensors of ``param`` (whose ``info`` is given)."""
     if cfg.code is MomentumCode.DENSE or not info.sharded:  # elementwise, or every rank holds it all
         return torch_step_(weight, local_grad, local_state, cfg)
     group = info.mesh.get_group()
@@ -143,7 +147,7 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
         if cfg.code is MomentumCode.DENSE:  # elementwise: the torch path
             found.append(torch_step_(weight, local_grad, local_state, cfg))
         elif cfg.code is MomentumCode.LEVELS and info.sharded:  # no fused shard pass for this code yet
-            found.append(sharded_step_(param, grad, state, cfg))
+            found.append(_local_step_(param, info, weight, local_grad, local_state, cfg))
         elif not info.sharded:  # every rank holds it all
             whole.append((weight, local_grad, local_state, cfg))
         else:
