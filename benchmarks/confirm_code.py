@@ -14,6 +14,13 @@ tied to ``smmf.SMMF(magnitude_bits=3)`` by ``tests/test_momentum_diagnosis.py``.
 
     python benchmarks/confirm_code.py --shard 0/2 &  python benchmarks/confirm_code.py --shard 1/2  # two processes
     python benchmarks/confirm_code.py --report
+
+The second confirmation, of a code chosen for high learning rates on ``stdlib-lm-small`` and ``pydoc-lm`` at
+3× the default lr (``docs/high-lr.md``), declared before its runs: ``c-headers-lm-small`` (the same model and
+budget on the interpreter's C headers), the candidate against AdamW, the bound and ``levels3-128``:
+
+    python benchmarks/confirm_code.py --task c-headers-lm-small --candidate CODE --last levels3-128-decoupled-wd \
+        --out docs/high-lr-confirmation --shard 0/2   # and --shard 1/2
 """
 
 from __future__ import annotations
@@ -26,23 +33,27 @@ from typing import Any, Optional
 
 import torch
 
-from momentum_diagnosis import POINTS, code_version, metric_at, stdlib_lm_small, train
+from momentum_diagnosis import POINTS, VARIANTS, code_version, metric_at, study_task, train
 from smmf.table import format_table
 
 CANDIDATE = "levels3-128-decoupled-wd"
 BOUND = "dense-m-decoupled-wd"  # the candidate with a dense fp32 M: what no code of M can beat
 # The essential rows first, the paper's code last (a run cut short still has what the verdict needs); it
 # gets the decoupled decay too, so that the rows differ in the code of M alone.
-OPTIMIZERS = ("adamw", BOUND, CANDIDATE, "decoupled-wd")
+LAST = "decoupled-wd"
 LR_SCALES = (0.3, 1.0, 3.0)
 SEEDS = (0, 1, 2)
 STEPS = 400
 
 
-def plan() -> list[tuple[str, float, int]]:
+def optimizers(candidate: str = CANDIDATE, last: str = LAST) -> tuple[str, ...]:
+    return ("adamw", BOUND, candidate, last)
+
+
+def plan(names: tuple[str, ...]) -> list[tuple[str, float, int]]:
     """(optimizer, lr scale, seed) of every run, in the order they are run."""
-    essential = [(name, scale, seed) for seed in SEEDS for scale in LR_SCALES for name in OPTIMIZERS[:-1]]
-    return essential + [(OPTIMIZERS[-1], scale, seed) for seed in SEEDS for scale in LR_SCALES]
+    essential = [(name, scale, seed) for seed in SEEDS for scale in LR_SCALES for name in names[:-1]]
+    return essential + [(names[-1], scale, seed) for seed in SEEDS for scale in LR_SCALES]
 
 
 def run_path(out: Path, name: str, scale: float, seed: int) -> Path:
@@ -55,19 +66,25 @@ def _stats(values: list[float]) -> tuple[float, float]:
     return mean, sd
 
 
-def report(runs: list[dict[str, Any]]) -> str:
-    """Markdown: every (optimizer, lr) over its seeds, then each optimizer at its best lr with ratios."""
+def report(runs: list[dict[str, Any]], names: tuple[str, ...]) -> str:
+    """Markdown: every (optimizer, lr) over its seeds with its ratio to the bound at that lr, then each
+    optimizer at its best lr with ratios."""
     by: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for r in runs:
         by.setdefault((r["variant"], r["lr_scale"]), []).append(r)
-    head = ["optimizer", "lr ×", "seeds"] + [f"held-out loss @{int(f * 100)}%" for f in POINTS]
+    head = (["optimizer", "lr ×", "seeds"] + [f"held-out loss @{int(f * 100)}%" for f in POINTS]
+            + [f"÷ bound @{int(f * 100)}%" for f in POINTS])
     rows = []
-    for (name, scale), group in sorted(by.items(), key=lambda kv: (OPTIMIZERS.index(kv[0][0]), kv[0][1])):
+    known = sorted(by.items(), key=lambda kv: (names.index(kv[0][0]) if kv[0][0] in names else len(names), kv[0][1]))
+    for (name, scale), group in known:
         cells = ["{:.4f} ± {:.4f}".format(*_stats([metric_at(r, f) for r in group])) for f in POINTS]
+        bound = by.get((BOUND, scale))
+        cells += [f"{_stats([metric_at(r, f) for r in group])[0] / _stats([metric_at(r, f) for r in bound])[0]:.3f}"
+                  if bound and len(bound) == len(group) else "–" for f in POINTS]
         rows.append([f"`{name}`", f"{scale:g}", ",".join(str(r["seed"]) for r in group), *cells])
     out = ["All runs (mean ± standard deviation over the seeds):\n\n" + format_table(head, rows, "markdown")]
     best: dict[str, list[dict[str, Any]]] = {}
-    for name in OPTIMIZERS:  # best lr: the lowest mean final loss among the lrs run on every seed
+    for name in names:  # best lr: the lowest mean final loss among the lrs run on every seed
         complete = [g for (n, _), g in by.items() if n == name and len(g) == len(SEEDS)]
         if complete:
             best[name] = min(complete, key=lambda g: _stats([metric_at(r, 1.0) for r in g])[0])
@@ -90,17 +107,21 @@ def report(runs: list[dict[str, Any]]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="docs/code-confirmation")
+    parser.add_argument("--task", default="stdlib-lm-small", help="the held-out task (a study task)")
+    parser.add_argument("--candidate", default=CANDIDATE, choices=sorted(VARIANTS))
+    parser.add_argument("--last", default=LAST, choices=sorted(VARIANTS), help="the row run after the others")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th run of the plan, from the i-th")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--report", action="store_true", help="only rewrite results.md from OUT/runs")
     args = parser.parse_args(argv)
+    names = optimizers(args.candidate, args.last)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     if not args.report:
         index, count = (int(x) for x in args.shard.split("/"))
-        task = stdlib_lm_small(STEPS)
-        for name, scale, seed in plan()[index::count]:
+        task = study_task(args.task)
+        for name, scale, seed in plan(names)[index::count]:
             path = run_path(out, name, scale, seed)
             if path.exists():
                 continue
@@ -112,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     codes = ", ".join(sorted({str(r.get("code")) for r in runs}))
     text = ("Runs: `python benchmarks/confirm_code.py --shard 0/2` and `--shard 1/2` (two processes, one torch thread "
             f"each; a run already in OUT/runs is skipped), then `--report`  \nCode of the runs: {codes}; tables "
-            f"written at {code_version()}\n\n" + report(runs))
+            f"written at {code_version()}\n\n" + report(runs, names))
     (out / "results.md").write_text(text)
     print(text)
     return 0

@@ -30,10 +30,12 @@ resumes); every invocation then rewrites ``OUT/results.json`` and ``OUT/results.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import subprocess
 import sys
+import sysconfig
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -44,7 +46,7 @@ from torch import Tensor, nn
 from smmf import SMMF
 from smmf.bench.compare import warmup_cosine
 from smmf.bench.optimizers import optimizer_specs
-from smmf.bench.tasks import ByteGPT, Task, digits_split, make_task, stdlib_lm_task
+from smmf.bench.tasks import ByteGPT, Task, digits_split, from_scratch_lm_task, make_task, split_files, stdlib_bytes
 from smmf.matrix import square_matricize_shape
 from smmf.table import format_table
 
@@ -612,14 +614,34 @@ def check(kind: str = "transformer", steps: int = 8) -> dict[str, float]:
 # --------------------------------------------------------------------------- the command line
 
 
+SMALL_GPT = ByteGPT(n_layer=4, n_embd=128, n_head=4, context=128, batch=32)  # pydoc-lm's
+
+
 def stdlib_lm_small(steps: int = 400) -> Task:
     """The ``pydoc-lm`` model (a 4-layer, 128-wide byte-level GPT-2, context 128, batches of 32) trained from
     scratch on ``stdlib-lm``'s corpus and file split (the ``.py`` files of the standard library)."""
-    small = ByteGPT(n_layer=4, n_embd=128, n_head=4, context=128, batch=32)
-    return replace(stdlib_lm_task(small, steps), name="stdlib-lm-small")
+    return from_scratch_lm_task("stdlib-lm-small", SMALL_GPT, stdlib_bytes, steps)
 
 
-STUDY_TASKS: dict[str, Callable[[], Task]] = {"stdlib-lm-small": stdlib_lm_small}
+@functools.lru_cache(maxsize=1)
+def c_headers_bytes() -> tuple[Tensor, Tensor]:
+    """(train, held-out) byte streams of the interpreter's C headers (``sysconfig``'s ``include``), split by
+    file as ``stdlib-lm`` splits its files."""
+    root = Path(sysconfig.get_paths()["include"])
+    files = sorted(path.relative_to(root).as_posix() for path in root.rglob("*.h"))
+    if not files:
+        raise SystemExit(f"c-headers-lm-small needs the interpreter's C headers; none under {root}")
+    return split_files(root, files)
+
+
+def c_headers_lm_small(steps: int = 400) -> Task:
+    """``stdlib-lm-small``'s model and budget on C instead of Python: the interpreter's C headers, trained
+    from scratch, held-out loss on 128 windows of the held-out files."""
+    return from_scratch_lm_task("c-headers-lm-small", SMALL_GPT, c_headers_bytes, steps)
+
+
+STUDY_TASKS: dict[str, Callable[[], Task]] = {"stdlib-lm-small": stdlib_lm_small,
+                                              "c-headers-lm-small": c_headers_lm_small}
 
 
 def study_task(name: str) -> Task:

@@ -247,9 +247,15 @@ def stdlib_bytes(root: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """(train, held-out) uint8 byte streams of the standard library's ``.py`` files, in sorted order,
     each file followed by a NUL byte."""
     base = Path(root or sysconfig.get_paths()["stdlib"])
+    return split_files(base, stdlib_files(base))
+
+
+def split_files(root: Path, files: list[str]) -> tuple[Tensor, Tensor]:
+    """(train, held-out) uint8 byte streams of ``files`` (paths relative to ``root``) in their order, each
+    followed by a NUL byte, split by :func:`is_held_out`."""
     parts: dict[bool, list[bytes]] = {False: [], True: []}
-    for rel in stdlib_files(base):
-        parts[is_held_out(rel)].append((base / rel).read_bytes() + _FILE_SEPARATOR)
+    for rel in files:
+        parts[is_held_out(rel)].append((root / rel).read_bytes() + _FILE_SEPARATOR)
     train, held_out = (torch.frombuffer(bytearray(b"".join(parts[side])), dtype=torch.uint8) for side in (False, True))
     return train, held_out
 
@@ -258,12 +264,19 @@ STDLIB_GPT = ByteGPT()
 
 
 def stdlib_lm_task(model: ByteGPT = STDLIB_GPT, default_steps: int = 2000) -> Task:
+    return from_scratch_lm_task("stdlib-lm", model, stdlib_bytes, default_steps)
+
+
+def from_scratch_lm_task(name: str, model: ByteGPT, streams: Callable[[], tuple[Tensor, Tensor]],
+                         default_steps: int, windows: int = _STDLIB_EVAL_WINDOWS) -> Task:
+    """``model`` trained from scratch on ``streams()[0]`` (random windows), its held-out loss measured on
+    ``windows`` windows of ``streams()[1]``."""
     def evaluate(net: nn.Module, device: torch.device) -> dict[str, float]:
-        return _held_out_loss(net, stdlib_bytes()[1], model.context, _STDLIB_EVAL_WINDOWS, device)
+        return _held_out_loss(net, streams()[1], model.context, windows, device)
 
     return Task(
-        "stdlib-lm", "transformer", "held_out_loss", False, default_steps, model.build,
-        lambda seed, device: _window_batches(stdlib_bytes()[0], model.context, model.batch, seed, device),
+        name, "transformer", "held_out_loss", False, default_steps, model.build,
+        lambda seed, device: _window_batches(streams()[0], model.context, model.batch, seed, device),
         _lm_loss, evaluate,
     )
 
