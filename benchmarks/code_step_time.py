@@ -23,6 +23,7 @@ from ab_step_time import CHILD, interleaved_rounds
 OPTIMIZERS = {
     "SMMF (paper code)": "SMMF(params)",
     "SMMF magnitude_bits=3": "SMMF(params, magnitude_bits=3)",
+    "SMMF magnitude_bits=3 stochastic": "SMMF(params, magnitude_bits=3, momentum_rounding='stochastic')",
     "Adam (fused)": "torch.optim.Adam(params, fused=True)",
 }
 

@@ -34,10 +34,26 @@ def reference_nnmf_reconstruct(a: Tensor) -> Tensor:
     return r @ (c / total)
 
 
-def reference_levels(m: Tensor, block: int = 128) -> Tensor:
+def _mix32(x: int) -> int:
+    """A 32-bit integer hash: two rounds of multiply and xor-shift (shifts 16, 15, 16)."""
+    x ^= x >> 16
+    x = x * 0x7FEB352D % 2**32
+    x ^= x >> 15
+    x = x * 0x846CA68B % 2**32
+    return x ^ (x >> 16)
+
+
+def reference_dither(step: int, index: int) -> float:
+    """The stochastic rounding offset u in [0, 1) of element ``index`` (row-major in its param) at ``step``:
+    the top 24 bits of mix32(mix32(step) + index)."""
+    return (_mix32((_mix32(step) + index) % 2**32) >> 8) / 2**24
+
+
+def reference_levels(m: Tensor, block: int = 128, step: Optional[int] = None) -> Tensor:
     """M̂ of the block-levels code, element by element: each block of ``block`` elements of a row has the
     scale max |M| (NaN as 0, at most bf16's largest) rounded to bf16; each element the level j·(scale·⅐)
-    nearest to |M|, j = floor(|M|·(7/scale) + ½) ≤ 7, with M's sign (fp64: Python floats round as the dtype)."""
+    nearest to |M|, j = floor(|M|·(7/scale) + ½) ≤ 7, with M's sign (fp64: Python floats round as the dtype).
+    With ``step``: rounded stochastically, j = floor(|M|·(7/scale) + u) with u :func:`reference_dither`'s."""
     bf16_max = torch.finfo(torch.bfloat16).max
     out = torch.zeros_like(m)
     for i in range(m.shape[0]):
@@ -46,7 +62,8 @@ def reference_levels(m: Tensor, block: int = 128) -> Tensor:
             top = min(max((0.0 if math.isnan(x) else abs(x)) for x in part), bf16_max)
             scale = float(torch.tensor(top, dtype=torch.float32).to(torch.bfloat16))
             for k, x in enumerate(part):
-                level = 0 if scale == 0 or math.isnan(x) else min(7, math.floor(abs(x) * (7 / scale) + 0.5))
+                offset = 0.5 if step is None else reference_dither(step, i * m.shape[1] + b0 + k)
+                level = 0 if scale == 0 or math.isnan(x) else min(7, math.floor(abs(x) * (7 / scale) + offset))
                 value = level * (scale * (1 / 7))
                 out[i, b0 + k] = -value if x < 0 else value
     return out
@@ -75,6 +92,7 @@ class ReferenceSMMF:
     momentum_shape: str = "square"  # beyond the paper: "natural" = (dim 0, the rest) for M of ≥2-D tensors
     magnitude_bits: int = 0  # beyond the paper: 1 = a flag [|M| > r cᵀ] and two least-squares levels;
     # 3 = by rows of the param, a sign and one of 8 levels j/7 of a bf16 max per 128 elements of a row
+    momentum_rounding: str = "nearest"  # magnitude_bits=3: "stochastic" rounds the levels by reference_dither
     state: dict[int, ReferenceState] = field(default_factory=dict)
 
     def matrix_shape(self, p: Tensor) -> tuple[int, ...]:
@@ -91,10 +109,10 @@ class ReferenceSMMF:
             return p.shape[0], p.numel() // p.shape[0]
         return self.matrix_shape(p)
 
-    def encode_momentum(self, m: Tensor) -> Tensor:
+    def encode_momentum(self, m: Tensor, step: int) -> Tensor:
         """M̂ = S ⊙ r cᵀ, or with the flag S ⊙ r cᵀ ⊙ (h where |M| > r cᵀ, else l)."""
         if self.magnitude_bits == 3:
-            return reference_levels(m)
+            return reference_levels(m, step=step if self.momentum_rounding == "stochastic" else None)
         a = m.abs()
         r = reference_nnmf_reconstruct(a)
         if self.magnitude_bits:
@@ -139,7 +157,7 @@ class ReferenceSMMF:
                 st.m_hat, st.v_hat = m, v
             else:
                 st.sign = m >= 0
-                st.m_hat = self.encode_momentum(m)
+                st.m_hat = self.encode_momentum(m, t)
                 st.v_hat = reference_nnmf_reconstruct(v)
             m = m.reshape(shape)
             u = m / (v.sqrt() + self.eps)

@@ -34,22 +34,25 @@ def _roundtrip(obj: object) -> object:
     return torch.load(buffer, weights_only=True)
 
 
+# The levels rounded stochastically: their dither is a hash of the step, so a resumed run draws the same.
+@pytest.mark.parametrize("options", [{}, dict(magnitude_bits=3, momentum_rounding="stochastic")],
+                         ids=["paper", "levels-stochastic"])
 @pytest.mark.parametrize("backend", ["torch", *FUSED_BACKENDS])
-def test_resume_is_bit_identical(backend: str) -> None:
+def test_resume_is_bit_identical(backend: str, options: dict) -> None:
     device = device_of(backend)
     straight = _model(device=device)
-    opt = SMMF(straight.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
+    opt = SMMF(straight.parameters(), lr=1e-2, weight_decay=0.01, backend=backend, **options)
     for s in range(10):
         _step(straight, opt, s)
 
     first = _model(device=device)
-    opt1 = SMMF(first.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
+    opt1 = SMMF(first.parameters(), lr=1e-2, weight_decay=0.01, backend=backend, **options)
     for s in range(4):
         _step(first, opt1, s)
     checkpoint = _roundtrip({"model": first.state_dict(), "optim": opt1.state_dict()})
     resumed = _model(device=device)
     resumed.load_state_dict(checkpoint["model"])
-    opt2 = SMMF(resumed.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
+    opt2 = SMMF(resumed.parameters(), lr=1e-2, weight_decay=0.01, backend=backend, **options)
     opt2.load_state_dict(checkpoint["optim"])
     for s in range(4, 10):
         _step(resumed, opt2, s)
@@ -161,3 +164,16 @@ def test_bits_by_rows_of_an_fsdp2_checkpoint_load_into_plain_params() -> None:
     wrong["state"][0]["sign_m"] = wrong["state"][0]["sign_m"][:, :1]
     with pytest.raises(ValueError, match="packed bits by rows of a parameter of shape"):
         SMMF(_model().parameters(), magnitude_bits=1).load_state_dict(wrong)
+
+
+# Options a checkpoint may lack (it was written before they existed): the loading optimizer's value stays.
+@pytest.mark.parametrize("key,value", [("maximize", True), ("stochastic_rounding", True),
+                                       ("nonfinite_grads", "propagate"), ("momentum_rounding", "stochastic")])
+def test_a_checkpoint_without_an_optional_option_keeps_the_constructors(key: str, value: object) -> None:
+    extra = dict(magnitude_bits=3) if key == "momentum_rounding" else {}
+    model = _model()
+    saved = SMMF(model.parameters(), **extra).state_dict()
+    del saved["param_groups"][0][key]
+    opt = SMMF(model.parameters(), **extra, **{key: value})
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0][key] == value

@@ -64,11 +64,13 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
         assert result["all_reduces"] == (2 if options.get("magnitude_bits") else 1)
 
 
-def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_path) -> None:
+@pytest.mark.parametrize("options", [dict(magnitude_bits=3), dict(magnitude_bits=3, momentum_rounding="stochastic")],
+                         ids=["nearest", "stochastic"])
+def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_path, options: dict) -> None:
     """The levels code (``magnitude_bits=3``) was refused for DTensor params. A param of 2 or more dims is
     coded by its rows, so a Shard(0) shard codes its own rows; a vector is one row that FSDP2 cuts anywhere,
-    stepped whole from the gathered gradient. Either way: one device's result."""
-    options = dict(magnitude_bits=3)
+    stepped whole from the gathered gradient. Either way: one device's result. Rounded stochastically, a
+    shard's elements draw by their index in the whole param, as on one device."""
     _spawn(dist_workers.fsdp2_worker, tmp_path, options)
     result = torch.load(tmp_path / "fsdp2.pt")
     single = dist_workers.single_process_params(**options)

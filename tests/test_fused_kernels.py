@@ -29,6 +29,7 @@ CONFIGS = {
     # The levels code: M by rows of the param in blocks of 128 (600 columns: a short last block; 33: odd).
     "levels": dict(magnitude_bits=3, weight_decay=0.1),
     "levels-adam-l2": dict(magnitude_bits=3, weight_decay=0.01, weight_decay_mode="adam", maximize=True),
+    "levels-stochastic": dict(magnitude_bits=3, momentum_rounding="stochastic", weight_decay=0.1),
 }
 SHAPES = [*ZOO_SHAPES, (768,), (64, 3, 7, 7), (257, 33), (129, 600), (96, 40)]
 FROZEN_AFTER = 10  # the last shape gets no gradient from this step on (a frozen param mid-run)

@@ -256,3 +256,68 @@ def test_levels_state_loaded_from_strided_tensors_is_contiguous() -> None:
     _train(again, resumed, 2, seed=1)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- levels rounded stochastically
+
+
+def test_dither_is_the_reference_hash() -> None:
+    """The torch path's dither equals the test reference's plain-integer hash, across the 2³² wrap."""
+    from reference import reference_dither
+    from smmf.levels import dither, step_salt
+
+    for step in (1, 2, 977, 2**32 + 5):
+        for first in (0, 1000, 2**32 - 3):
+            got = dither(step_salt(step), first, 6, torch.float64, torch.device("cpu"))
+            assert got.tolist() == [reference_dither(step % 2**32, first + k) for k in range(6)]
+            assert bool(((got >= 0) & (got < 1)).all())
+
+
+def test_stochastic_levels_are_unbiased_where_nearest_ones_drop_small_momentum() -> None:
+    """Averaged over steps, stochastically rounded levels decode to M itself; nearest levels set every
+    element below half a level (here most of a block with one large element) to 0 at every step."""
+    from smmf.levels import decode_levels, encode_levels, step_salt
+
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(2, 256, generator=gen, dtype=torch.float64) * 0.05
+    m[:, ::128] = 1.0  # one large element per block: the rest are below half a level (1/14)
+    mean = sum(decode_levels(*encode_levels(m, step_salt(t)), 256, torch.float64) for t in range(1, 4001)) / 4000
+    nearest = decode_levels(*encode_levels(m), 256, torch.float64)
+    small = m.abs() < 1 / 14
+    assert bool((nearest[small] == 0).all())
+    level = 1 / 7
+    assert (mean - m).abs().max().item() < 0.03 * level  # 4000 draws: σ ≤ level / (2·√4000) ≈ 0.008 level
+    assert (mean[small] - m[small]).abs().mean().item() < 0.005 * level
+
+
+def test_momentum_rounding_is_validated_and_recorded() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="Unknown momentum_rounding: 'up'"):
+        SMMF(model.parameters(), magnitude_bits=3, momentum_rounding="up")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rounds the levels of magnitude_bits=3; this group has magnitude_bits=1"):
+        SMMF(model.parameters(), magnitude_bits=1, momentum_rounding="stochastic")
+    opt = SMMF(model.parameters(), magnitude_bits=3)
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="momentum_rounding"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "momentum_rounding": "dither"})
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == params
+    stochastic = SMMF(model.parameters(), magnitude_bits=3, momentum_rounding="stochastic")
+    _train(stochastic, model, 2)
+    saved = stochastic.state_dict()
+    assert saved["param_groups"][0]["momentum_rounding"] == "stochastic"
+    # A checkpoint written before the option existed loads, keeping the constructor's rounding.
+    del saved["param_groups"][0]["momentum_rounding"]
+    fresh = SMMF(model.parameters(), magnitude_bits=3, momentum_rounding="stochastic")
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["momentum_rounding"] == "stochastic"
+
+
+def test_stochastic_rounding_changes_the_code_not_its_bytes() -> None:
+    a, b = _model(), _model()
+    nearest = SMMF(a.parameters(), magnitude_bits=3)
+    stochastic = SMMF(b.parameters(), magnitude_bits=3, momentum_rounding="stochastic")
+    _train(nearest, a, 3)
+    _train(stochastic, b, 3)
+    assert state_bytes(stochastic) == state_bytes(nearest) == predict_state_bytes(b.parameters(), "smmf", **LEVELS)
+    assert any(not torch.equal(nearest.state[p]["codes_m"], stochastic.state[q]["codes_m"])
+               for p, q in zip(a.parameters(), b.parameters()))

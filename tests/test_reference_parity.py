@@ -23,6 +23,7 @@ CONFIGS = {
     "natural-shape-and-flag": dict(momentum_shape="natural", magnitude_bits=1, weight_decay=0.1),
     "levels": dict(magnitude_bits=3, weight_decay=0.1),
     "levels-adam-l2": dict(magnitude_bits=3, weight_decay=0.5, weight_decay_mode="adam", maximize=True),
+    "levels-stochastic": dict(magnitude_bits=3, momentum_rounding="stochastic", weight_decay=0.1),
 }
 STEPS = 12
 FROZEN_STEPS = (4, 5, 9)  # the 4-D param gets no grad on these steps

@@ -53,12 +53,14 @@ def _fused(model: torch.nn.Module, opt: SMMF, steps: range) -> None:
         opt.zero_grad()
 
 
+@pytest.mark.parametrize("options", [{}, dict(magnitude_bits=3, momentum_rounding="stochastic")],
+                         ids=["paper", "levels-stochastic"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("make_model", [_cnn, _transformer], ids=["cnn", "transformer"])
-def test_equals_the_ordinary_loop_bit_for_bit(backend: str, make_model) -> None:
+def test_equals_the_ordinary_loop_bit_for_bit(backend: str, make_model, options: dict) -> None:
     ordinary, fused = make_model(), make_model()
-    opt_a = SMMF(ordinary.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
-    opt_b = SMMF(fused.parameters(), lr=1e-2, weight_decay=0.01, backend=backend)
+    opt_a = SMMF(ordinary.parameters(), lr=1e-2, weight_decay=0.01, backend=backend, **options)
+    opt_b = SMMF(fused.parameters(), lr=1e-2, weight_decay=0.01, backend=backend, **options)
     step_in_backward(opt_b)
     _ordinary(ordinary, opt_a, range(20))
     _fused(fused, opt_b, range(20))

@@ -34,7 +34,7 @@ LEVELS_V_SUMS_ARGS = dict(row_v_ptr="*fp32", col_v_ptr="*fp32", row_part_ptr="*f
                           m="i32", cap="fp32", **_LEVELS_SCALARS)
 LEVELS_STEP_ARGS = dict(codes_ptr="*u8", scales_ptr="*bf16", row_v_ptr="*fp32", col_v_ptr="*fp32", bad_ptr="*i32",
                         cols="i32", m="i32", blocks_per_row="i32", blocks="i32", lr="fp32", beta1="fp32", rest1="fp32",
-                        eps="fp32", seed="i32", **_LEVELS_SCALARS)
+                        eps="fp32", seed="i32", salt="i64", **_LEVELS_SCALARS)
 # Options a kernel is launched with beyond its warps.
 LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS,
                   step.step_kernel: dict(maxnreg=table.MAX_REGISTERS) if table.MAX_REGISTERS else {}}
@@ -70,10 +70,10 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         tensors = dict(w_ptr=f"*{dtype}", g_ptr=f"*{dtype}")
         out.append((f"levels V sums {dtype}", levels.v_sums_kernel, dict(LEVELS_V_SUMS_ARGS, **tensors),
                     dict(ZERO_BAD=True, **TILES), table.WARPS))
-        for stochastic in (False, True) if dtype == "bf16" else (False,):
-            out.append((f"levels step {dtype} stochastic={stochastic}", levels.levels_step_kernel,
+        for stochastic, dithered in ((False, False), (True, False)) if dtype == "bf16" else ((False, False), (False, True)):
+            out.append((f"levels step {dtype} stochastic={stochastic} dither={dithered}", levels.levels_step_kernel,
                         dict(LEVELS_STEP_ARGS, **tensors),
-                        dict(ZERO_BAD=True, STOCHASTIC=stochastic, BLOCKS=levels.BLOCKS_PER_PROGRAM),
+                        dict(ZERO_BAD=True, STOCHASTIC=stochastic, DITHER=dithered, BLOCKS=levels.BLOCKS_PER_PROGRAM),
                         levels.STEP_WARPS))
     return out
 

@@ -12,6 +12,7 @@ import torch
 
 from smmf.functional import StepConfig, decompress_momentum, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
+from smmf.levels import step_salt
 from smmf.matrix import unpack_signs
 from smmf.schedules import beta1_at, beta2_at
 from smmf.state import MomentumCode, init_state, momentum_code, real_view
@@ -238,7 +239,8 @@ def run_levels(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(6)
     configs = [dict(weight_decay=0.1, decoupled=True, maximize=False, zero=True),
                dict(weight_decay=0.01, decoupled=False, maximize=True, zero=True),
-               dict(weight_decay=0.0, decoupled=True, maximize=False, zero=False)]
+               dict(weight_decay=0.0, decoupled=True, maximize=False, zero=False),
+               dict(weight_decay=0.1, decoupled=True, maximize=False, zero=True, dither=True)]  # stochastic levels
     for shape in LEVELS_SHAPES:
         for config in configs:
             complex_param = shape == (33, 5)
@@ -256,7 +258,8 @@ def run_levels(device: str, dtype: torch.dtype) -> None:
                 cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
                                  weight_decay=config["weight_decay"], decoupled_weight_decay=config["decoupled"],
                                  maximize=config["maximize"], stochastic_rounding=False,
-                                 code=momentum_code(p, group), zero_nonfinite=config["zero"])
+                                 code=momentum_code(p, group), zero_nonfinite=config["zero"],
+                                 levels_salt=step_salt(step) if config.get("dither") else None)
                 q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
                 expected_bad = torch_step_(p, g, state, cfg)
                 bad = triton_step_(q, g, sq, cfg)

@@ -287,7 +287,7 @@ def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Ba
     moments = [(ROW_V, COL_V, v, band)]
     m = m_band = magnitude = None
     if cfg.code is MomentumCode.LEVELS:  # by rows of the param: this shard's rows are whole rows, its own
-        m = levels_update_(g_flat, state, cfg)
+        m = levels_update_(g_flat, state, cfg, band.start)
     elif cfg.beta1 is not None:
         m_band = band.in_view(state[ROW_M].numel(), state[COL_M].numel())
         m = decompress_momentum(state, cfg, state[ROW_M][m_band.row0 : m_band.row1],

@@ -59,6 +59,7 @@ class StepConfig:
     stochastic_rounding: bool
     code: MomentumCode  # how the param's state stores M and V (smmf.state.momentum_code)
     zero_nonfinite: bool = True  # NaN/inf gradient elements count as 0 (else they propagate)
+    levels_salt: Optional[int] = None  # the levels code under stochastic rounding: this step's salt (smmf.levels)
 
     def folded(self) -> tuple[float, float, float]:
         """``(gsign, shrink, l2)``: maximize and weight decay as every path applies them —
@@ -130,17 +131,18 @@ def _whole_matrix_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> T
     return _factored_update(g.view(rows, cols), state, cfg).view(-1)
 
 
-def levels_update_(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
+def levels_update_(g: Tensor, state: dict[str, Any], cfg: StepConfig, first: int = 0) -> Tensor:
     """The levels code's M (``magnitude_bits=3``): decoded by rows of the param, updated with ``g`` (the
-    same elements, row-major), coded again into ``state``; returns this step's M, flat. A sign and a level
-    per element, a scale per block (:mod:`smmf.levels`)."""
+    same elements, row-major; ``first``: the index of its first element in the param, for a shard), coded
+    again into ``state``; returns this step's M, flat. A sign and a level per element, a scale per block
+    (:mod:`smmf.levels`)."""
     codes, scales, beta1 = state[CODES_M], state[SCALES_M], cfg.beta1
     assert beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
     if not g.numel():  # an FSDP2 shard without rows
         return g.reshape(-1)
     m = decode_levels(codes, scales, g.numel() // max(codes.shape[0], 1), g.dtype)
     m.mul_(beta1).add_(g.reshape(m.shape), alpha=1.0 - beta1)
-    new_codes, new_scales = encode_levels(m)
+    new_codes, new_scales = encode_levels(m, cfg.levels_salt, first)
     codes.copy_(new_codes)
     scales.copy_(new_scales)
     return m.view(-1)

@@ -15,6 +15,13 @@ and column's average, several times too large; a per-block scale with a few leve
 own magnitude to within 1/14 of its block's largest. Blocks run along rows so that an FSDP2 shard (whole
 rows) holds whole blocks.
 
+Stochastic rounding (``momentum_rounding="stochastic"``, opt-in): ``j = floor(|M| · (7 / scale) + u)`` with
+``u`` uniform in [0, 1) instead of ½, so the decoded |M| is unbiased: an element below half a level is kept
+with the probability its size gives, where nearest rounding sets it to 0 at every step — the EMA can then
+never build a small coordinate's momentum, and at a high learning rate the code trails the dense M by 4–7%
+(``docs/high-lr.md``). ``u`` is a counter-based hash of the step's salt and the element's index in the
+param (:func:`dither`), the same on every path and every rank, so a run is reproducible and resumes exactly.
+
 Storage: ``codes`` uint8 (rows, ⌈cols/2⌉), two 4-bit codes per byte (the even column in the low nibble),
 a code being ``j | 8·[M < 0]``; ``scales`` bf16 (rows, ⌈cols/BLOCK⌉). Whatever M holds, the stored code
 decodes finite: NaN codes as 0, and a scale is at most bf16's largest finite value.
@@ -22,17 +29,51 @@ decodes finite: NaN codes as 0, and a scale is at most bf16's largest finite val
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 __all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "SEVENTH", "levels_shape", "levels_rows_cols", "codes_shape", "scales_shape", "encode_levels",
-           "decode_levels"]
+           "decode_levels", "step_salt", "dither", "DITHER_MULTIPLIERS", "DITHER_BITS"]
 
 BLOCK = 128  # elements of a row that share a scale
 TOP_LEVEL = 7  # levels j = 0 .. 7: magnitudes j/7 of the block's scale (3 bits)
 NEGATIVE = 8  # the code's sign bit: set where M < 0
 SCALE_MAX = float(torch.finfo(torch.bfloat16).max)  # the largest scale, so that decoding stays finite
 SEVENTH = 1 / TOP_LEVEL  # a level's step is scale · SEVENTH (SEVENTH rounded to the work dtype)
+
+
+# The dither's hash: a 32-bit integer finalizer (two multiply-xorshift rounds, shifts 16, 15, 16) applied
+# to (salt + element index) mod 2³²; its top 24 bits make u = k · 2⁻²⁴, exact in fp32 and fp64.
+DITHER_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+DITHER_BITS = 24
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * DITHER_MULTIPLIERS[0]) & _MASK32
+    x ^= x >> 15
+    x = (x * DITHER_MULTIPLIERS[1]) & _MASK32
+    return x ^ (x >> 16)
+
+
+def step_salt(step: int) -> int:
+    """The dither's salt at ``step`` (1, 2, …): a 32-bit hash of it, so that each step draws anew."""
+    return _mix32(step & _MASK32)
+
+
+def dither(salt: int, first: int, count: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``u`` in [0, 1) for the elements ``first .. first + count`` of a param's row-major flattening:
+    ``mix32((salt + index) mod 2³²) >> 8``, times 2⁻²⁴."""
+    x = (torch.arange(first, first + count, dtype=torch.int64, device=device) + salt) & _MASK32
+    x ^= x >> 16
+    x = (x * DITHER_MULTIPLIERS[0]) & _MASK32  # < 2⁶³: no overflow
+    x ^= x >> 15
+    x = (x * DITHER_MULTIPLIERS[1]) & _MASK32  # may wrap in int64; the low 32 bits are still the product's
+    x ^= x >> 16
+    return (x >> (32 - DITHER_BITS)).to(dtype) * 2.0 ** -DITHER_BITS
 
 
 def levels_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:
@@ -72,15 +113,18 @@ def per_element(per_block: Tensor, cols: int) -> Tensor:
     return per_block.repeat_interleave(BLOCK, dim=1)[:, :cols]
 
 
-def encode_levels(m: Tensor) -> tuple[Tensor, Tensor]:
-    """``(codes, scales)`` of a rows × cols M (fp32 or fp64)."""
+def encode_levels(m: Tensor, salt: Optional[int] = None, first: int = 0) -> tuple[Tensor, Tensor]:
+    """``(codes, scales)`` of a rows × cols M (fp32 or fp64): each level the nearest (ties up), or with
+    ``salt`` rounded stochastically by :func:`dither` (``first``: the index of M's first element in its
+    param, for a shard of it)."""
     rows, cols = m.shape
     scales = block_scales(m)
     scale = scales.to(m.dtype)
     # A tensor by a tensor: IEEE division, as the kernels divide (``7 / tensor`` multiplies by a reciprocal).
     positive = torch.where(scale > 0, scale, 1.0)
     inverse = per_element(torch.where(scale > 0, torch.full_like(scale, TOP_LEVEL) / positive, 0.0), cols)
-    level = (m.abs() * inverse + 0.5).nan_to_num_(nan=0.0).floor_().clamp_(max=TOP_LEVEL).to(torch.uint8)
+    offset = 0.5 if salt is None else dither(salt, first, rows * cols, m.dtype, m.device).view(rows, cols)
+    level = (m.abs() * inverse + offset).nan_to_num_(nan=0.0).floor_().clamp_(max=TOP_LEVEL).to(torch.uint8)
     code = level | (m < 0).to(torch.uint8) * NEGATIVE
     code = torch.nn.functional.pad(code, (0, cols % 2))
     return code[:, 0::2] | (code[:, 1::2] << 4), scales

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from .dispatch import Kernel, step_kernel
 from .functional import StepConfig
 from .kernels import check_backend
+from .levels import step_salt
 from .schedules import beta1_at, beta2_at
 from .sharding import bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, shard_info
 from .state import (
@@ -49,7 +50,9 @@ WEIGHT_DECAY_MODES = ("adamw", "adam")
 NONFINITE_GRADS = ("zero", "propagate")
 # Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
 # constructor's values are kept. ``backend`` is never taken from a checkpoint.
-_OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads", "momentum_shape", "magnitude_bits")
+_OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads", "momentum_shape", "magnitude_bits",
+                  "momentum_rounding")
+MOMENTUM_ROUNDINGS = ("nearest", "stochastic")
 # Keys that torch adds to param groups: learning-rate schedulers, and ``param_names`` in an optimizer
 # built from ``named_parameters()`` (torch >= 2.6).
 _TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "param_names")
@@ -104,6 +107,12 @@ def _validate_group(group: dict[str, Any]) -> None:
     bits = group["magnitude_bits"]
     if isinstance(bits, bool) or bits not in MAGNITUDE_BITS:
         raise ValueError(f"magnitude_bits should be one of {list(MAGNITUDE_BITS)} but is: {bits!r}")
+    rounding = group["momentum_rounding"]
+    if rounding not in MOMENTUM_ROUNDINGS:
+        raise ValueError(f"Unknown momentum_rounding: {rounding!r}. It needs to be one of {list(MOMENTUM_ROUNDINGS)}")
+    if rounding == "stochastic" and bits != 3:
+        raise ValueError(f"momentum_rounding='stochastic' rounds the levels of magnitude_bits=3; this group has "
+                         f"magnitude_bits={bits!r}")
     check_backend(group["backend"])
 
 
@@ -268,8 +277,13 @@ class SMMF(Optimizer):
             so that small momentum coordinates are no longer given their row's average; ``3``: M is
             coded by rows of the tensor, a sign and a 3-bit level per element and a bf16 scale per
             128 elements (4.125 bits per parameter, :mod:`smmf.levels`; ``momentum_shape`` does not
-            apply; not for FSDP2 shards yet) (default: 0). See docs/beyond-the-paper.md for what
-            each buys; ``smmf.RECOMMENDED`` is the measured recommendation.
+            apply) (default: 0). See docs/beyond-the-paper.md for what each buys;
+            ``smmf.RECOMMENDED`` is the measured recommendation.
+        momentum_rounding: how ``magnitude_bits=3`` rounds |M| to its levels: ``"nearest"``, or
+            ``"stochastic"`` (unbiased: the level above with the probability of the remainder,
+            drawn from a hash of the step and the element's index, so runs repeat and resume
+            exactly); it keeps small momentum coordinates that nearest rounding sets to 0
+            (default: ``"nearest"``).
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
             params — FSDP2 shards included — each when installed; the
             torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
@@ -312,6 +326,7 @@ class SMMF(Optimizer):
         nonfinite_grads: Literal["zero", "propagate"] = "zero",
         momentum_shape: Literal["square", "natural"] = "square",
         magnitude_bits: Literal[0, 1, 3] = 0,
+        momentum_rounding: Literal["nearest", "stochastic"] = "nearest",
         backend: Literal["auto", "torch", "numba", "triton"] = "auto",
     ) -> None:
         defaults: dict[str, Any] = dict(
@@ -328,6 +343,7 @@ class SMMF(Optimizer):
             nonfinite_grads=nonfinite_grads,
             momentum_shape=momentum_shape,
             magnitude_bits=magnitude_bits,
+            momentum_rounding=momentum_rounding,
             backend=backend,
         )
         _validate_group(defaults)
@@ -355,6 +371,7 @@ class SMMF(Optimizer):
             group.setdefault("stochastic_rounding", False)
             group.setdefault("nonfinite_grads", "zero")
             group.setdefault("backend", "auto")
+            group.setdefault("momentum_rounding", "nearest")
             for key, default in MOMENTUM_CODE_DEFAULTS.items():
                 group.setdefault(key, default)
         self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
@@ -454,6 +471,8 @@ class SMMF(Optimizer):
             stochastic_rounding=group["stochastic_rounding"],
             code=code,
             zero_nonfinite=group["nonfinite_grads"] == "zero",
+            levels_salt=step_salt(step) if code is MomentumCode.LEVELS and group["momentum_rounding"] == "stochastic"
+            else None,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -530,9 +549,12 @@ class SMMF(Optimizer):
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
-        for group, own in zip(self.param_groups, kept):
+        # torch's loader ran __setstate__, whose defaults filled the keys the checkpoint lacks: the
+        # constructor's values win over those.
+        for group, saved, own in zip(self.param_groups, state_dict["param_groups"], kept):
             for key, value in own.items():
-                group.setdefault(key, value)
+                if key not in saved:
+                    group[key] = value
             group["backend"] = own["backend"]
         for pid, saved in state_dict["state"].items():
             param, options = param_of[pid]

@@ -129,7 +129,8 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     blocks = -(-rows // rows_per_block)
     dtype = state[ROW_V].dtype
     scalar = np.float64 if dtype == torch.float64 else np.float32
-    geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, rows_per_block=rows_per_block)
+    geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, rows_per_block=rows_per_block,
+                         dither=cfg.levels_salt is not None, salt=cfg.levels_salt or 0)
     opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=True)
     sc = Scalars._make(map(scalar, scalars(cfg, n * m, dtype)))
     bad_counts = np.zeros(blocks, dtype=np.int64)

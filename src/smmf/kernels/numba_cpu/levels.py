@@ -18,7 +18,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from ...levels import BLOCK, DITHER_BITS, DITHER_MULTIPLIERS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
 from numba import types
 from numba.extending import overload
 
@@ -50,20 +50,36 @@ def scale_bits(top):
 
 def level_table(dtype: Any) -> np.ndarray:
     """The numbers of the code in the work dtype, so that the kernel computes in it as the torch path does
-    (numba would widen an fp32 times a Python number to fp64): ⅐, 7, 0.5 and the largest scale."""
-    return np.array([SEVENTH, TOP_LEVEL, 0.5, SCALE_MAX], dtype=dtype)
+    (numba would widen an fp32 times a Python number to fp64): ⅐, 7, 0.5, the largest scale and the dither's
+    unit 2⁻²⁴."""
+    return np.array([SEVENTH, TOP_LEVEL, 0.5, SCALE_MAX, 2.0 ** -DITHER_BITS], dtype=dtype)
 
 
 # Where each number lies in level_table's array.
-_SEVENTH, _SEVEN, _HALF, _SCALE_MAX = 0, 1, 2, 3
+_SEVENTH, _SEVEN, _HALF, _SCALE_MAX, _UNIT = 0, 1, 2, 3, 4
+_MASK32 = np.uint64(0xFFFFFFFF)
 
 
 @numba.njit(inline="always")
-def level_of(a, inverse, table):
-    """The level j of |M| = ``a`` under a block's ``inverse`` = 7 / scale (scale > 0): floor(a·inverse + ½) ≤ 7,
-    0 for NaN. Branch-free, so that the loop over a block vectorizes."""
-    x = a * inverse + table[_HALF]
-    x = x if x == x else table[_HALF] - table[_HALF]  # NaN → level 0
+def dither_at(salt, index, table):
+    """:func:`smmf.levels.dither` of the element at ``index``, in the work dtype: in [0, 1)."""
+    x = (np.uint64(salt) + np.uint64(index)) & _MASK32
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(DITHER_MULTIPLIERS[0])) & _MASK32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(DITHER_MULTIPLIERS[1])) & _MASK32
+    x ^= x >> np.uint64(16)
+    # 24 bits: exact in fp32, and fp32 × the work dtype's unit stays in the work dtype.
+    return np.float32(x >> np.uint64(32 - DITHER_BITS)) * table[_UNIT]
+
+
+@numba.njit(inline="always")
+def level_of(a, inverse, offset, table):
+    """The level j of |M| = ``a`` under a block's ``inverse`` = 7 / scale (scale > 0): floor(a·inverse + offset)
+    ≤ 7 (``offset``: ½, or the dither in [0, 1)), 0 for NaN. Branch-free, so that the loop over a block
+    vectorizes."""
+    x = a * inverse + offset
+    x = x if x == x else offset - offset  # NaN → level 0
     return np.uint8(min(x, table[_SEVEN]))  # in [0, 7]: truncation is the floor
 
 
@@ -163,14 +179,21 @@ def _block_step(wseg, gseg, lbuf, scale, table, col_v, row_v, acc_v, vsums, v_ro
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _codes_of(cbuf, scale, table, mbuf):
-    """Pass two over a block: each element's code against the block's new ``scale`` into ``cbuf`` (a zero
-    scale: every level 0)."""
+def _codes_of(cbuf, scale, table, mbuf, start, geo):
+    """Pass two over a block (elements ``start ..`` of the flattening): each element's code against the
+    block's new ``scale`` into ``cbuf``, its level the nearest or, under ``geo.dither``, rounded by the
+    dither (a zero scale: every level 0)."""
     width = mbuf.shape[0]
     if scale > 0:
         inverse = table[_SEVEN] / scale
+        if geo.dither:
+            for j in range(width):
+                level = level_of(abs(mbuf[j]), inverse, dither_at(geo.salt, start + j, table), table)
+                cbuf[j] = level | (np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0))
+            return
         for j in range(width):
-            cbuf[j] = level_of(abs(mbuf[j]), inverse, table) | (np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0))
+            level = level_of(abs(mbuf[j]), inverse, table[_HALF], table)
+            cbuf[j] = level | (np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0))
     else:
         for j in range(width):
             cbuf[j] = np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0)
@@ -210,7 +233,7 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
                     bad += count_bad(gseg, sc.big)
                 stored = scale_bits(top)
                 scales[r, c0 // BLOCK] = stored
-                _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width])
+                _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width], start, geo)
                 pack_codes(codes[r], c0, width, cbuf)
                 store(w, start, wseg, opts.sr)
         bad_counts[b] = bad

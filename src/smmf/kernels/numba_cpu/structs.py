@@ -46,13 +46,15 @@ class Geometry(NamedTuple):
 
 class LevelsGeometry(NamedTuple):
     """The levels code's step (``magnitude_bits=3``): V's n×m view, M's ``rows`` × ``cols`` one (rows of the
-    param), and blocks of ``rows_per_block`` of M's rows, one per thread at a time."""
+    param), blocks of ``rows_per_block`` of M's rows, one per thread at a time, and how levels round."""
 
     n: int
     m: int
     rows: int
     cols: int
     rows_per_block: int
+    dither: bool  # stochastic rounding of the levels (smmf.levels.dither); else the nearest level
+    salt: int  # the dither's salt at this step
 
 
 class Options(NamedTuple):

@@ -38,7 +38,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ...functional import StepConfig, store_factors_
-from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL, levels_rows_cols, scales_shape
+from ...levels import (BLOCK, DITHER_BITS, DITHER_MULTIPLIERS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL, levels_rows_cols,
+                       scales_shape)
 from ...matrix import factor_sum_cap
 from ...state import CODES_M, COL_V, ROW_V, SCALES_M
 from . import table as tables  # V's tile shape, read at each launch (as the table launches do)
@@ -57,6 +58,9 @@ LEVEL_TOP = tl.constexpr(TOP_LEVEL)
 LEVEL_NEGATIVE = tl.constexpr(NEGATIVE)
 LEVEL_SCALE_MAX = tl.constexpr(SCALE_MAX)
 LEVEL_SEVENTH = tl.constexpr(SEVENTH)
+DITHER_MUL0, DITHER_MUL1 = tl.constexpr(DITHER_MULTIPLIERS[0]), tl.constexpr(DITHER_MULTIPLIERS[1])
+DITHER_SHIFT = tl.constexpr(32 - DITHER_BITS)
+DITHER_UNIT = tl.constexpr(2.0 ** -DITHER_BITS)
 
 
 @triton.jit
@@ -119,22 +123,36 @@ def decoded_momentum(codes, scale):
 
 
 @triton.jit
-def encoded_momentum(m, scale):
-    """The 4-bit codes of M against its block's new ``scale``: j = floor(|M|·(7/scale) + ½), at most 7; 0 for
-    NaN or a zero scale; with the sign bit where M < 0 (:func:`smmf.levels.encode_levels`)."""
+def dither(salt, index):
+    """:func:`smmf.levels.dither` of the elements at ``index`` (int64): in [0, 1), fp32. In int64 with the
+    torch path's masks (a product may wrap; its low 32 bits are the same)."""
+    x = (index + salt) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * DITHER_MUL0) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * DITHER_MUL1) & 0xFFFFFFFF
+    x ^= x >> 16
+    return (x >> DITHER_SHIFT).to(tl.float32) * DITHER_UNIT
+
+
+@triton.jit
+def encoded_momentum(m, scale, offset):
+    """The 4-bit codes of M against its block's new ``scale``: j = floor(|M|·(7/scale) + offset), at most 7
+    (``offset``: ½, or the dither in [0, 1)); 0 for NaN or a zero scale; with the sign bit where M < 0
+    (:func:`smmf.levels.encode_levels`)."""
     positive = scale > 0
     inverse = tl.where(positive, tl.math.div_rn(7.0, tl.where(positive, scale, 1.0)), 0.0)
-    x = tl.abs(m) * inverse + 0.5
+    x = tl.abs(m) * inverse + offset
     x = tl.where(x != x, 0.0, x)
-    # floor(min(x, 7)) == min(floor(x), 7), and x ≥ 0.5: the truncating cast is the floor.
+    # floor(min(x, 7)) == min(floor(x), 7), and x ≥ 0: the truncating cast is the floor.
     level = tl.minimum(x, 7.0).to(tl.int32)
     return level | tl.where(m < 0, LEVEL_NEGATIVE, 0)
 
 
 @triton.jit
 def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr, bad_ptr, cols, m, blocks_per_row,
-                       blocks, lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, seed, ZERO_BAD: tl.constexpr,
-                       STOCHASTIC: tl.constexpr, BLOCKS: tl.constexpr):
+                       blocks, lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, seed, salt,
+                       ZERO_BAD: tl.constexpr, STOCHASTIC: tl.constexpr, DITHER: tl.constexpr, BLOCKS: tl.constexpr):
     """BLOCKS consecutive blocks of M (of ``blocks``; ``blocks_per_row`` per row of ``cols`` elements),
     one per row of a (BLOCKS, 64, 2) tile whose last axis is the two codes of a byte (even column, low
     nibble). Element e of the flattening sits at (e // m, e % m) of V's view, whose old factors it reads.
@@ -167,7 +185,10 @@ def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr
     top = tl.max(tl.max(tl.minimum(tl.where(a != a, 0.0, a), LEVEL_SCALE_MAX), axis=2), axis=1)
     scale = bf16_rounded(top, 0, 0, False)
     tl.store(scales_ptr + block, scale.to(scales_ptr.dtype.element_ty), mask=block_ok)
-    codes = encoded_momentum(mm, scale[:, None, None])
+    if DITHER:  # the levels rounded stochastically
+        codes = encoded_momentum(mm, scale[:, None, None], dither(salt, element))
+    else:
+        codes = encoded_momentum(mm, scale[:, None, None], 0.5)
     tl.store(codes_ptr + byte, tl.sum(codes << (half * 4), axis=2).to(tl.uint8), mask=byte_ok)
 
     # The weight, with this step's uncompressed M and V: W − lr·M / (√V + ε), as torch's add(alpha=−lr).
@@ -196,8 +217,9 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     levels_step_kernel[(triton.cdiv(blocks, BLOCKS_PER_PROGRAM),)](
         weight, grad, state[CODES_M], state[SCALES_M], state[ROW_V], state[COL_V], bad, cols, m, blocks_per_row,
         blocks, cfg.lr, cfg.beta1, 1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2,
-        int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
-        ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=stochastic, BLOCKS=BLOCKS_PER_PROGRAM, num_warps=STEP_WARPS,
+        int(torch.randint(0, 2**30, ()).item()) if stochastic else 0, cfg.levels_salt or 0,
+        ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=stochastic, DITHER=cfg.levels_salt is not None,
+        BLOCKS=BLOCKS_PER_PROGRAM, num_warps=STEP_WARPS,
         **LAUNCH_OPTIONS,
     )
     # The old factors were read until here.
