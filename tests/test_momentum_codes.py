@@ -223,7 +223,9 @@ def test_recommended_options_build_the_levels_code_and_copy() -> None:
     _train(opt, model, 1)
     assert all("codes_m" in opt.state[p] for p in model.parameters())
     assert opt.param_groups[0]["weight_decay_mode"] == "adamw"  # decoupled decay: SMMF's default
-    assert copy.deepcopy(smmf.RECOMMENDED) == pickle.loads(pickle.dumps(smmf.RECOMMENDED)) == {"magnitude_bits": 3}
+    assert opt.param_groups[0]["momentum_rounding"] == "stochastic"
+    assert copy.deepcopy(smmf.RECOMMENDED) == pickle.loads(pickle.dumps(smmf.RECOMMENDED)) == {
+        "magnitude_bits": 3, "momentum_rounding": "stochastic"}
     assert SMMF(model.parameters(), **{**smmf.RECOMMENDED, "lr": 3e-4}).defaults["lr"] == 3e-4
 
 
