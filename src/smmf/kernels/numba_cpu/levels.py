@@ -19,8 +19,9 @@ import numba
 import numpy as np
 
 from ...levels import BLOCK, DITHER_BITS, DITHER_MULTIPLIERS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from llvmlite import ir
 from numba import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from .access import bf16_bits, load, nearest_even, store
 from .cache import FASTMATH, KERNEL_OPTIONS, cached_njit
@@ -50,27 +51,34 @@ def scale_bits(top):
 
 def level_table(dtype: Any) -> np.ndarray:
     """The numbers of the code in the work dtype, so that the kernel computes in it as the torch path does
-    (numba would widen an fp32 times a Python number to fp64): ⅐, 7, 0.5, the largest scale and the dither's
-    unit 2⁻²⁴."""
-    return np.array([SEVENTH, TOP_LEVEL, 0.5, SCALE_MAX, 2.0 ** -DITHER_BITS], dtype=dtype)
+    (numba would widen an fp32 times a Python number to fp64): ⅐, 7, 0.5 and the largest scale."""
+    return np.array([SEVENTH, TOP_LEVEL, 0.5, SCALE_MAX], dtype=dtype)
 
 
 # Where each number lies in level_table's array.
-_SEVENTH, _SEVEN, _HALF, _SCALE_MAX, _UNIT = 0, 1, 2, 3, 4
-_MASK32 = np.uint64(0xFFFFFFFF)
+_SEVENTH, _SEVEN, _HALF, _SCALE_MAX = 0, 1, 2, 3
 
 
-@numba.njit(inline="always")
-def dither_at(salt, index, table):
-    """:func:`smmf.levels.dither` of the element at ``index``, in the work dtype: in [0, 1)."""
-    x = (np.uint64(salt) + np.uint64(index)) & _MASK32
-    x ^= x >> np.uint64(16)
-    x = (x * np.uint64(DITHER_MULTIPLIERS[0])) & _MASK32
-    x ^= x >> np.uint64(15)
-    x = (x * np.uint64(DITHER_MULTIPLIERS[1])) & _MASK32
-    x ^= x >> np.uint64(16)
-    # 24 bits: exact in fp32, and fp32 × the work dtype's unit stays in the work dtype.
-    return np.float32(x >> np.uint64(32 - DITHER_BITS)) * table[_UNIT]
+@intrinsic
+def dither_at(typingctx, salt, index):
+    """:func:`smmf.levels.dither` of the element at ``index``: a float32 in [0, 1) (exact in either work dtype).
+    Written in LLVM IR on 32-bit integers: numba widens integer products to 64 bits, whose vector multiply
+    (``vpmullq``) made the hash cost 1.5× more per element than 32-bit lanes do."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        x = builder.add(builder.trunc(args[0], i32), builder.trunc(args[1], i32))  # mod 2³²
+
+        def xorshift(v, bits):
+            return builder.xor(v, builder.lshr(v, ir.Constant(i32, bits)))
+
+        x = xorshift(builder.mul(xorshift(x, 16), ir.Constant(i32, DITHER_MULTIPLIERS[0])), 15)
+        x = xorshift(builder.mul(x, ir.Constant(i32, DITHER_MULTIPLIERS[1])), 16)
+        top = builder.lshr(x, ir.Constant(i32, 32 - DITHER_BITS))  # < 2²⁴: exact as a float32
+        return builder.fmul(builder.sitofp(top, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0 ** -DITHER_BITS))
+
+    if not isinstance(salt, types.Integer) or not isinstance(index, types.Integer):
+        return None
+    return types.float32(salt, index), codegen
 
 
 @numba.njit(inline="always")
@@ -188,7 +196,7 @@ def _codes_of(cbuf, scale, table, mbuf, start, geo):
         inverse = table[_SEVEN] / scale
         if geo.dither:
             for j in range(width):
-                level = level_of(abs(mbuf[j]), inverse, dither_at(geo.salt, start + j, table), table)
+                level = level_of(abs(mbuf[j]), inverse, dither_at(geo.salt, start + j), table)
                 cbuf[j] = level | (np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0))
             return
         for j in range(width):
