@@ -128,7 +128,9 @@ VARIANTS: dict[str, tuple[str, Config]] = {
                           replace(PAPER, m_code="block-levels", block=128, level_bits=3, levels="log",
                                   bias_correction=True)),
 }
-REFERENCES = {"adamw": "AdamW (torch)", "adam": "Adam (torch, L2 decay)"}
+REFERENCES = {"adamw": "AdamW (torch)", "adam": "Adam (torch, L2 decay)",
+              # the library itself (its fused CPU kernel), as ``smmf compare`` builds it
+              "smmf-recommended": "smmf.SMMF(**smmf.RECOMMENDED), decoupled weight decay"}
 DENSE_M_BOUND = "dense-m"
 
 

@@ -43,17 +43,20 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def reference_dither(step: int, index: int) -> float:
-    """The stochastic rounding offset u in [0, 1) of element ``index`` (row-major in its param) at ``step``:
-    the top 24 bits of mix32(mix32(step) + index)."""
-    return (_mix32((_mix32(step) + index) % 2**32) >> 8) / 2**24
+def reference_dither(step: int, index: int, ordinal: int = 0) -> float:
+    """The stochastic rounding offset u in [0, 1) of element ``index`` (row-major in its param) of the
+    optimizer's ``ordinal``-th param at ``step``: the top 24 bits of mix32(salt + index), where the salt is
+    mix32(mix32(step) + mix32(ordinal))."""
+    salt = _mix32((_mix32(step) + _mix32(ordinal)) % 2**32)
+    return (_mix32((salt + index) % 2**32) >> 8) / 2**24
 
 
-def reference_levels(m: Tensor, block: int = 128, step: Optional[int] = None) -> Tensor:
+def reference_levels(m: Tensor, block: int = 128, step: Optional[int] = None, ordinal: int = 0) -> Tensor:
     """M̂ of the block-levels code, element by element: each block of ``block`` elements of a row has the
     scale max |M| (NaN as 0, at most bf16's largest) rounded to bf16; each element the level j·(scale·⅐)
     nearest to |M|, j = floor(|M|·(7/scale) + ½) ≤ 7, with M's sign (fp64: Python floats round as the dtype).
-    With ``step``: rounded stochastically, j = floor(|M|·(7/scale) + u) with u :func:`reference_dither`'s."""
+    With ``step``: rounded stochastically, j = floor(|M|·(7/scale) + u) with u :func:`reference_dither`'s (of
+    the ``ordinal``-th param)."""
     bf16_max = torch.finfo(torch.bfloat16).max
     out = torch.zeros_like(m)
     for i in range(m.shape[0]):
@@ -62,7 +65,7 @@ def reference_levels(m: Tensor, block: int = 128, step: Optional[int] = None) ->
             top = min(max((0.0 if math.isnan(x) else abs(x)) for x in part), bf16_max)
             scale = float(torch.tensor(top, dtype=torch.float32).to(torch.bfloat16))
             for k, x in enumerate(part):
-                offset = 0.5 if step is None else reference_dither(step, i * m.shape[1] + b0 + k)
+                offset = 0.5 if step is None else reference_dither(step, i * m.shape[1] + b0 + k, ordinal)
                 level = 0 if scale == 0 or math.isnan(x) else min(7, math.floor(abs(x) * (7 / scale) + offset))
                 value = level * (scale * (1 / 7))
                 out[i, b0 + k] = -value if x < 0 else value
@@ -109,10 +112,11 @@ class ReferenceSMMF:
             return p.shape[0], p.numel() // p.shape[0]
         return self.matrix_shape(p)
 
-    def encode_momentum(self, m: Tensor, step: int) -> Tensor:
+    def encode_momentum(self, m: Tensor, step: int, ordinal: int) -> Tensor:
         """M̂ = S ⊙ r cᵀ, or with the flag S ⊙ r cᵀ ⊙ (h where |M| > r cᵀ, else l)."""
         if self.magnitude_bits == 3:
-            return reference_levels(m, step=step if self.momentum_rounding == "stochastic" else None)
+            stochastic = self.momentum_rounding == "stochastic"
+            return reference_levels(m, step=step if stochastic else None, ordinal=ordinal)
         a = m.abs()
         r = reference_nnmf_reconstruct(a)
         if self.magnitude_bits:
@@ -157,7 +161,7 @@ class ReferenceSMMF:
                 st.m_hat, st.v_hat = m, v
             else:
                 st.sign = m >= 0
-                st.m_hat = self.encode_momentum(m, t)
+                st.m_hat = self.encode_momentum(m, t, next(i for i, q in enumerate(self.params) if q is p))
                 st.v_hat = reference_nnmf_reconstruct(v)
             m = m.reshape(shape)
             u = m / (v.sqrt() + self.eps)

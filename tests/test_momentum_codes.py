@@ -270,9 +270,13 @@ def test_dither_is_the_reference_hash() -> None:
 
     for step in (1, 2, 977, 2**32 + 5):
         for first in (0, 1000, 2**32 - 3):
-            got = dither(step_salt(step), first, 6, torch.float64, torch.device("cpu"))
-            assert got.tolist() == [reference_dither(step % 2**32, first + k) for k in range(6)]
-            assert bool(((got >= 0) & (got < 1)).all())
+            for ordinal in (0, 7):
+                got = dither(step_salt(step, ordinal), first, 6, torch.float64, torch.device("cpu"))
+                assert got.tolist() == [reference_dither(step % 2**32, first + k, ordinal) for k in range(6)]
+                assert bool(((got >= 0) & (got < 1)).all())
+    # Each param draws its own: two of one shape do not round alike.
+    assert not torch.equal(dither(step_salt(3, 0), 0, 64, torch.float64, torch.device("cpu")),
+                           dither(step_salt(3, 1), 0, 64, torch.float64, torch.device("cpu")))
 
 
 def test_stochastic_levels_are_unbiased_where_nearest_ones_drop_small_momentum() -> None:
@@ -296,8 +300,6 @@ def test_momentum_rounding_is_validated_and_recorded() -> None:
     model = _model()
     with pytest.raises(ValueError, match="Unknown momentum_rounding: 'up'"):
         SMMF(model.parameters(), magnitude_bits=3, momentum_rounding="up")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="rounds the levels of magnitude_bits=3; this group has magnitude_bits=1"):
-        SMMF(model.parameters(), magnitude_bits=1, momentum_rounding="stochastic")
     opt = SMMF(model.parameters(), magnitude_bits=3)
     params = list(model.parameters())
     with pytest.raises(ValueError, match="momentum_rounding"):
@@ -323,3 +325,17 @@ def test_stochastic_rounding_changes_the_code_not_its_bytes() -> None:
     assert state_bytes(stochastic) == state_bytes(nearest) == predict_state_bytes(b.parameters(), "smmf", **LEVELS)
     assert any(not torch.equal(nearest.state[p]["codes_m"], stochastic.state[q]["codes_m"])
                for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_recommended_options_leave_a_group_with_another_code_as_it_is() -> None:
+    """``momentum_rounding`` rounds the levels code only: a group that keeps the paper's code under
+    ``**smmf.RECOMMENDED`` steps exactly as without it."""
+    import smmf
+
+    a, b = _model(), _model()
+    plain = SMMF(a.parameters(), magnitude_bits=0)
+    mixed = SMMF([{"params": list(b.parameters()), "magnitude_bits": 0}], **smmf.RECOMMENDED)
+    _train(plain, a, 3)
+    _train(mixed, b, 3)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)

@@ -70,7 +70,8 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         tensors = dict(w_ptr=f"*{dtype}", g_ptr=f"*{dtype}")
         out.append((f"levels V sums {dtype}", levels.v_sums_kernel, dict(LEVELS_V_SUMS_ARGS, **tensors),
                     dict(ZERO_BAD=True, **TILES), table.WARPS))
-        for stochastic, dithered in ((False, False), (True, False)) if dtype == "bf16" else ((False, False), (False, True)):
+        bf16 = ((False, False), (True, False), (False, True), (True, True))  # weights' rounding × the levels'
+        for stochastic, dithered in bf16 if dtype == "bf16" else ((False, False), (False, True)):
             out.append((f"levels step {dtype} stochastic={stochastic} dither={dithered}", levels.levels_step_kernel,
                         dict(LEVELS_STEP_ARGS, **tensors),
                         dict(ZERO_BAD=True, STOCHASTIC=stochastic, DITHER=dithered, BLOCKS=levels.BLOCKS_PER_PROGRAM),

@@ -20,7 +20,8 @@ Stochastic rounding (``momentum_rounding="stochastic"``, opt-in): ``j = floor(|M
 with the probability its size gives, where nearest rounding sets it to 0 at every step — the EMA can then
 never build a small coordinate's momentum, and at a high learning rate the code trails the dense M by 4–7%
 (``docs/high-lr.md``). ``u`` is a counter-based hash of the step's salt and the element's index in the
-param (:func:`dither`), the same on every path and every rank, so a run is reproducible and resumes exactly.
+param and of the step's salt (:func:`step_salt`: the step and the param's position in the optimizer), the same
+on every path and every rank, so a run is reproducible and resumes exactly.
 
 Storage: ``codes`` uint8 (rows, ⌈cols/2⌉), two 4-bit codes per byte (the even column in the low nibble),
 a code being ``j | 8·[M < 0]``; ``scales`` bf16 (rows, ⌈cols/BLOCK⌉). Whatever M holds, the stored code
@@ -59,9 +60,11 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def step_salt(step: int) -> int:
-    """The dither's salt at ``step`` (1, 2, …): a 32-bit hash of it, so that each step draws anew."""
-    return _mix32(step & _MASK32)
+def step_salt(step: int, ordinal: int = 0) -> int:
+    """The dither's salt at ``step`` (1, 2, …) for the optimizer's ``ordinal``-th parameter (counted over its
+    param groups): a 32-bit hash of both, so that each step and each parameter draw anew (parameters of one
+    shape would otherwise round alike at each index)."""
+    return _mix32((_mix32(step & _MASK32) + _mix32(ordinal & _MASK32)) & _MASK32)
 
 
 def dither(salt: int, first: int, count: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union, cast
@@ -112,9 +113,6 @@ def _validate_group(group: dict[str, Any]) -> None:
     rounding = group["momentum_rounding"]
     if rounding not in MOMENTUM_ROUNDINGS:
         raise ValueError(f"Unknown momentum_rounding: {rounding!r}. It needs to be one of {list(MOMENTUM_ROUNDINGS)}")
-    if rounding == "stochastic" and bits != 3:
-        raise ValueError(f"momentum_rounding='stochastic' rounds the levels of magnitude_bits=3; this group has "
-                         f"magnitude_bits={bits!r}")
     check_backend(group["backend"])
 
 
@@ -284,8 +282,9 @@ class SMMF(Optimizer):
         momentum_rounding: how ``magnitude_bits=3`` rounds |M| to its levels: ``"nearest"``, or
             ``"stochastic"`` (unbiased: the level above with the probability of the remainder,
             drawn from a hash of the step and the element's index, so runs repeat and resume
-            exactly); it keeps small momentum coordinates that nearest rounding sets to 0
-            (default: ``"nearest"``).
+            exactly); it keeps small momentum coordinates that nearest rounding sets to 0. Other codes
+            of M ignore it, so a group may override ``magnitude_bits`` under ``**smmf.RECOMMENDED``; a
+            loaded checkpoint's value is taken, like its ``lr`` (default: ``"nearest"``).
         backend: ``"auto"`` (the Triton kernel for CUDA params and the numba kernel for CPU
             params — FSDP2 shards included — each when installed; the
             torch path for what they do not cover: dense 1-D state, fp64 on CUDA, fp16 and complex on
@@ -430,6 +429,7 @@ class SMMF(Optimizer):
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
         batches: dict[Kernel, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
         configs: dict[tuple[int, int, MomentumCode], StepConfig] = {}
+        ordinals: dict[int, int] = {}  # the params' positions over the groups, for the levels' dither
         pending = []  # (param, its state before) of the steps not yet run: restored if one raises
         try:
             for group, param, grad, state, code, kernel in work:
@@ -438,6 +438,10 @@ class SMMF(Optimizer):
                 state[STEP] += 1
                 key = (id(group), state[STEP], code)
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))
+                if cfg.levels_salt is not None:  # each param draws its own dither
+                    ordinals = ordinals or {id(p): i for i, p in enumerate(p for g in self.param_groups
+                                                                          for p in g["params"])}
+                    cfg = replace(cfg, levels_salt=step_salt(state[STEP], ordinals[id(param)]))
                 if not kernel.batched:
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()

@@ -76,7 +76,7 @@ def dither_at(typingctx, salt, index):
         top = builder.lshr(x, ir.Constant(i32, 32 - DITHER_BITS))  # < 2²⁴: exact as a float32
         return builder.fmul(builder.sitofp(top, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0 ** -DITHER_BITS))
 
-    if not isinstance(salt, types.Integer) or not isinstance(index, types.Integer):
+    if not all(isinstance(t, types.Integer) and t.bitwidth >= 32 for t in (salt, index)):
         return None
     return types.float32(salt, index), codegen
 

@@ -149,7 +149,7 @@ def encoded_momentum(m, scale, offset):
     return level | tl.where(m < 0, LEVEL_NEGATIVE, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["salt"])  # a new value each step: one compile, not one per value class
 def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr, bad_ptr, cols, m, blocks_per_row,
                        blocks, lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, seed, salt,
                        ZERO_BAD: tl.constexpr, STOCHASTIC: tl.constexpr, DITHER: tl.constexpr, BLOCKS: tl.constexpr):
