@@ -61,12 +61,14 @@ LIMIT = "axpy (limit)"
 # code reads and writes a 4-bit code per element (13 B; its bf16 scales, 1/64 B, are left out).
 # 8-bit moments: 2 × 2 B read and written; 4-bit: 2 × 2 × 1/2 B; the factored AdamW_adv: SMMF's pattern.
 BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25, "SMMF natural": 12.25,
-                   "SMMF flag": 16.5, "SMMF natural+flag": 16.5, "SMMF levels": 13.0, "axpy": 12.0, "AdamW8bit": 16.0, "AdamW4bit": 14.0,
+                   "SMMF flag": 16.5, "SMMF natural+flag": 16.5, "SMMF levels": 13.0,
+                   "SMMF levels stochastic": 13.0, "axpy": 12.0, "AdamW8bit": 16.0, "AdamW4bit": 14.0,
                    "AdamW_adv factored": 12.25}
 # Beyond the paper, opt-in (``--momentum-codes``): SMMF's other codes for M on the fused kernel.
 MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"), "SMMF flag": dict(magnitude_bits=1),
                   "SMMF natural+flag": dict(momentum_shape="natural", magnitude_bits=1),
-                  "SMMF levels": dict(magnitude_bits=3)}
+                  "SMMF levels": dict(magnitude_bits=3),
+                  "SMMF levels stochastic": dict(magnitude_bits=3, momentum_rounding="stochastic")}  # smmf.RECOMMENDED
 
 
 def peer_factories(quiet: bool = False) -> dict[str, OptimFactory]:
