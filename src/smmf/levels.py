@@ -19,9 +19,9 @@ Stochastic rounding (``momentum_rounding="stochastic"``, opt-in): ``j = floor(|M
 ``u`` uniform in [0, 1) instead of ½, so the decoded |M| is unbiased: an element below half a level is kept
 with the probability its size gives, where nearest rounding sets it to 0 at every step — the EMA can then
 never build a small coordinate's momentum, and at a high learning rate the code trails the dense M by 4–7%
-(``docs/high-lr.md``). ``u`` is a counter-based hash of the step's salt and the element's index in the
-param and of the step's salt (:func:`step_salt`: the step and the param's position in the optimizer), the same
-on every path and every rank, so a run is reproducible and resumes exactly.
+(``docs/high-lr.md``). ``u`` is a counter-based hash of the element's index in its param and a salt
+(:func:`step_salt`: the step and the param's position in the optimizer), the same on every path and every
+rank, so a run is reproducible and resumes exactly.
 
 Storage: ``codes`` uint8 (rows, ⌈cols/2⌉), two 4-bit codes per byte (the even column in the low nibble),
 a code being ``j | 8·[M < 0]``; ``scales`` bf16 (rows, ⌈cols/BLOCK⌉). Whatever M holds, the stored code
@@ -30,7 +30,7 @@ decodes finite: NaN codes as 0, and a scale is at most bf16's largest finite val
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -52,10 +52,12 @@ DITHER_BITS = 24
 _MASK32 = 0xFFFFFFFF
 
 
-def _mix32(x: int) -> int:
-    x ^= x >> 16
+def _mix32(x: Any) -> Any:
+    """The hash of 32-bit values ``x``: a Python int, or an int64 tensor (whose second product may wrap in
+    int64; its low 32 bits, all that is kept, are still the product's)."""
+    x = x ^ (x >> 16)
     x = (x * DITHER_MULTIPLIERS[0]) & _MASK32
-    x ^= x >> 15
+    x = x ^ (x >> 15)
     x = (x * DITHER_MULTIPLIERS[1]) & _MASK32
     return x ^ (x >> 16)
 
@@ -70,12 +72,7 @@ def step_salt(step: int, ordinal: int = 0) -> int:
 def dither(salt: int, first: int, count: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``u`` in [0, 1) for the elements ``first .. first + count`` of a param's row-major flattening:
     ``mix32((salt + index) mod 2³²) >> 8``, times 2⁻²⁴."""
-    x = (torch.arange(first, first + count, dtype=torch.int64, device=device) + salt) & _MASK32
-    x ^= x >> 16
-    x = (x * DITHER_MULTIPLIERS[0]) & _MASK32  # < 2⁶³: no overflow
-    x ^= x >> 15
-    x = (x * DITHER_MULTIPLIERS[1]) & _MASK32  # may wrap in int64; the low 32 bits are still the product's
-    x ^= x >> 16
+    x = _mix32((torch.arange(first, first + count, dtype=torch.int64, device=device) + salt) & _MASK32)
     return (x >> (32 - DITHER_BITS)).to(dtype) * 2.0 ** -DITHER_BITS
 
 

@@ -348,6 +348,7 @@ class SMMF(Optimizer):
             backend=backend,
         )
         _validate_group(defaults)
+        self._ordinals: Optional[dict[int, int]] = None  # the params' positions over the groups (_ordinal)
         self._nonfinite = NonfiniteMonitor()
         self._step_in_backward: Optional[StepInBackward] = None
         super().__init__(params, defaults)
@@ -362,6 +363,7 @@ class SMMF(Optimizer):
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise
+        self._ordinals = None
         if self._step_in_backward is not None:
             self._step_in_backward.attach(self.param_groups[-1]["params"])
 
@@ -376,6 +378,7 @@ class SMMF(Optimizer):
             for key, default in MOMENTUM_CODE_DEFAULTS.items():
                 group.setdefault(key, default)
         self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
+        self.__dict__.setdefault("_ordinals", None)
         self.__dict__.setdefault("_step_in_backward", None)
 
     @torch.no_grad()
@@ -429,7 +432,6 @@ class SMMF(Optimizer):
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
         batches: dict[Kernel, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
         configs: dict[tuple[int, int, MomentumCode], StepConfig] = {}
-        ordinals: dict[int, int] = {}  # the params' positions over the groups, for the levels' dither
         pending = []  # (param, its state before) of the steps not yet run: restored if one raises
         try:
             for group, param, grad, state, code, kernel in work:
@@ -439,9 +441,7 @@ class SMMF(Optimizer):
                 key = (id(group), state[STEP], code)
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))
                 if cfg.levels_salt is not None:  # each param draws its own dither
-                    ordinals = ordinals or {id(p): i for i, p in enumerate(p for g in self.param_groups
-                                                                          for p in g["params"])}
-                    cfg = replace(cfg, levels_salt=step_salt(state[STEP], ordinals[id(param)]))
+                    cfg = replace(cfg, levels_salt=step_salt(state[STEP], self._ordinal(param)))
                 if not kernel.batched:
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()
@@ -462,6 +462,13 @@ class SMMF(Optimizer):
                 else:
                     self.state.pop(param, None)
             raise
+
+    def _ordinal(self, param: Tensor) -> int:
+        """``param``'s position over the param groups (the same on every rank and after a resume): the
+        levels' dither salts by it. Mapped once, not per call: the step inside backward calls per param."""
+        if self._ordinals is None:
+            self._ordinals = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return self._ordinals[id(param)]
 
     @staticmethod
     def _step_config(group: dict[str, Any], step: int, code: MomentumCode) -> StepConfig:
