@@ -3,6 +3,7 @@ and which launch a tensor takes."""
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any, Optional, Sequence
@@ -42,21 +43,31 @@ def block_layout(rows: int, cols: int) -> tuple[int, int]:
 
 
 def _as_numpy(t: Tensor) -> np.ndarray:
-    flat = t.detach().reshape(-1)
-    if flat.dtype == torch.bfloat16:
-        flat = flat.view(torch.int16)
-    return flat.numpy()
+    """``t`` (contiguous) flat, bf16 as its int16 bit patterns (numpy has no bf16)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().reshape(-1)  # numpy's reshape: half the cost of torch's here, paid per launch
 
 
 def scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> Scalars:
-    """The step's :class:`Scalars` as Python floats (the caller casts them to the work dtype);
-    ``dtype`` is the work dtype."""
+    """The step's :class:`Scalars` in the work dtype ``dtype`` (np.float32, or np.float64 for fp64)."""
+    return Scalars(*_group_scalars(cfg, dtype), cap=_work_scalar(dtype)(factor_sum_cap(numel, dtype)))
+
+
+def _work_scalar(dtype: torch.dtype) -> type:
+    return np.float64 if dtype == torch.float64 else np.float32
+
+
+@functools.lru_cache(maxsize=64)
+def _group_scalars(cfg: StepConfig, dtype: torch.dtype) -> tuple[Any, ...]:
+    """The :class:`Scalars` before ``cap``: the same for every tensor of a group at a step, so made
+    once (per launch they cost as much as the rest of the host side)."""
     beta1 = 0.0 if cfg.beta1 is None else cfg.beta1
     rest1 = 0.0 if cfg.beta1 is None else 1.0 - cfg.beta1
     gsign, shrink, l2 = cfg.folded()
-    return Scalars(lr=cfg.lr, beta1=beta1, rest1=rest1, beta2=cfg.beta2, rest2=1.0 - cfg.beta2, eps=cfg.eps,
-                   gsign=gsign, shrink=shrink, l2=l2, big=float(torch.finfo(dtype).max),
-                   cap=factor_sum_cap(numel, dtype))
+    return tuple(map(_work_scalar(dtype), (cfg.lr, beta1, rest1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink,
+                                           l2, float(torch.finfo(dtype).max))))
 
 
 def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, rows: int, cols: int,
@@ -74,7 +85,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
         rows_per_block, blocks = row_end - row0, 1
     has_m = cfg.beta1 is not None
     dtype = state[ROW_V].dtype
-    scalar = np.float64 if dtype == torch.float64 else np.float32
+    scalar = _work_scalar(dtype)
     m_cols = momentum_cols(state, cols)
     empty = np.empty(0, dtype=scalar)
     scratch = Scratch(
@@ -88,7 +99,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
         row_v=state[ROW_V].numpy(), col_v=state[COL_V].numpy())
     geo = Geometry(n=rows, m=cols, m_cols=m_cols, row0=row0, rows_per_block=rows_per_block, lo=lo, hi=hi)
     opts = Options(has_m=has_m, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole)
-    sc = Scalars._make(map(scalar, scalars(cfg, rows * cols, dtype)))
+    sc = scalars(cfg, rows * cols, dtype)
     w, g = _as_numpy(weight), _as_numpy(grad)
     parallel = hi - lo >= PARALLEL_MIN_NUMEL
     flag: Optional[FlagArrays] = None
@@ -116,7 +127,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
         kernel(*args)
     if flag is not None and flag_pass is not None and flag_pass.number == 1:
         flag_pass.level_sums.copy_(torch.from_numpy(flag.fits.sum(axis=0)))
-    return int(scratch.bad_counts.sum()) if cfg.zero_nonfinite else 0
+    return sum(scratch.bad_counts.tolist()) if cfg.zero_nonfinite else 0
 
 
 def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
@@ -128,11 +139,11 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     rows_per_block = max(1, -(-rows // (4 * numba.get_num_threads()))) if parallel else rows
     blocks = -(-rows // rows_per_block)
     dtype = state[ROW_V].dtype
-    scalar = np.float64 if dtype == torch.float64 else np.float32
+    scalar = _work_scalar(dtype)
     geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, rows_per_block=rows_per_block,
                          dither=cfg.levels_salt is not None, salt=cfg.levels_salt or 0)
     opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=True)
-    sc = Scalars._make(map(scalar, scalars(cfg, n * m, dtype)))
+    sc = scalars(cfg, n * m, dtype)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     args = (_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(), state[SCALES_M].view(torch.int16).numpy(),
             level_table(scalar), state[ROW_V].numpy(), state[COL_V].numpy(), np.empty((blocks, m), dtype=scalar),
@@ -142,7 +153,7 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
             LEVELS_KERNELS[True](*args)
     else:
         LEVELS_KERNELS[False](*args)
-    return int(bad_counts.sum()) if cfg.zero_nonfinite else 0
+    return sum(bad_counts.tolist()) if cfg.zero_nonfinite else 0
 
 
 def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
