@@ -124,6 +124,11 @@ VARIANTS: dict[str, tuple[str, Config]] = {
     "levels3sq-128-decoupled-wd": ("M: sign + 3-bit level on a (j/7)² grid + bf16 max per 128, decoupled weight decay",
                                    replace(PAPER, m_code="block-levels", block=128, level_bits=3, levels="square",
                                            weight_decay_mode="adamw")),
+    # What an eighth of a bit more buys the chosen code: stochastic rounding with blocks of 64 (4.25 bits).
+    "levels3sr-64-decoupled-wd": ("M: sign + 3-bit linear level (stochastic rounding) + bf16 max per 64, "
+                                  "decoupled weight decay",
+                                  replace(PAPER, m_code="block-levels", block=64, level_bits=3, rounding="stochastic",
+                                          weight_decay_mode="adamw")),
     "levels3log-128-bc": ("M: 3-bit log level per 128, + bias correction",
                           replace(PAPER, m_code="block-levels", block=128, level_bits=3, levels="log",
                                   bias_correction=True)),
