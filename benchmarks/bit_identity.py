@@ -35,7 +35,8 @@ from smmf.state import MomentumCode, init_state  # noqa: E402
 
 SHAPES = [(), (7,), (5, 6), (4, 3, 3, 3), (31, 9), (3, 5, 7), (256, 128), (300, 300), (2, 0, 3)]
 CODES = {"paper": {}, "natural": {"momentum_shape": "natural"}, "flag": {"magnitude_bits": 1},
-         "natural+flag": {"momentum_shape": "natural", "magnitude_bits": 1}, "no-m": {"beta": None}}
+         "natural+flag": {"momentum_shape": "natural", "magnitude_bits": 1}, "no-m": {"beta": None},
+         "levels": {"magnitude_bits": 3}, "levels-dithered": {"magnitude_bits": 3, "momentum_rounding": "stochastic"}}
 OPTIONS = {"plain": {}, "adamw": {"weight_decay": 0.05}, "l2": {"weight_decay": 1e-3, "weight_decay_mode": "adam"},
            "maximize": {"maximize": True}, "dense-1d": {"vector_reshape": False}}
 STEPS = 3
