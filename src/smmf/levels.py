@@ -53,13 +53,16 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _mix32(x: Any) -> Any:
-    """The hash of 32-bit values ``x``: a Python int, or an int64 tensor (whose second product may wrap in
-    int64; its low 32 bits, all that is kept, are still the product's)."""
-    x = x ^ (x >> 16)
-    x = (x * DITHER_MULTIPLIERS[0]) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * DITHER_MULTIPLIERS[1]) & _MASK32
-    return x ^ (x >> 16)
+    """The hash of 32-bit values ``x``: a Python int, or an int64 tensor, hashed in place (a product may wrap
+    in int64; its low 32 bits, all that is kept, are still the product's)."""
+    x ^= x >> 16
+    x *= DITHER_MULTIPLIERS[0]
+    x &= _MASK32
+    x ^= x >> 15
+    x *= DITHER_MULTIPLIERS[1]
+    x &= _MASK32
+    x ^= x >> 16
+    return x
 
 
 def step_salt(step: int, ordinal: int = 0) -> int:
@@ -72,8 +75,12 @@ def step_salt(step: int, ordinal: int = 0) -> int:
 def dither(salt: int, first: int, count: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``u`` in [0, 1) for the elements ``first .. first + count`` of a param's row-major flattening:
     ``mix32((salt + index) mod 2³²) >> 8``, times 2⁻²⁴."""
-    x = _mix32((torch.arange(first, first + count, dtype=torch.int64, device=device) + salt) & _MASK32)
-    return (x >> (32 - DITHER_BITS)).to(dtype) * 2.0 ** -DITHER_BITS
+    x = torch.arange(first, first + count, dtype=torch.int64, device=device)
+    x += salt
+    x &= _MASK32
+    x = _mix32(x)  # in place: one int64 temporary beside x at a time
+    x >>= 32 - DITHER_BITS
+    return x.to(dtype).mul_(2.0 ** -DITHER_BITS)
 
 
 def levels_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:
