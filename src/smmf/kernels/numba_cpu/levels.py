@@ -60,10 +60,12 @@ _SEVENTH, _SEVEN, _HALF, _SCALE_MAX = 0, 1, 2, 3
 
 
 @intrinsic
-def dither_at(typingctx, salt, index):
-    """:func:`smmf.levels.dither` of the element at ``index``: a float32 in [0, 1) (exact in either work dtype).
-    Written in LLVM IR on 32-bit integers: numba widens integer products to 64 bits, whose vector multiply
-    (``vpmullq``) made the hash cost 1.5× more per element than 32-bit lanes do."""
+def dither_at(typingctx, base, offset):
+    """:func:`smmf.levels.dither` of the element at index ``base + offset`` with the salt already in ``base``
+    (salt + the index of a run's first element): a float32 in [0, 1) (exact in either work dtype). Written in
+    LLVM IR on 32-bit integers: numba widens integer products to 64 bits, whose vector multiply (``vpmullq``)
+    made the hash cost 1.5× more per element than 32-bit lanes do; and a loop's counter as ``offset`` is
+    truncated alone, so that the vectorized loop counts in 32-bit lanes too."""
     def codegen(context, builder, signature, args):
         i32 = ir.IntType(32)
         x = builder.add(builder.trunc(args[0], i32), builder.trunc(args[1], i32))  # mod 2³²
@@ -76,9 +78,9 @@ def dither_at(typingctx, salt, index):
         top = builder.lshr(x, ir.Constant(i32, 32 - DITHER_BITS))  # < 2²⁴: exact as a float32
         return builder.fmul(builder.sitofp(top, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0 ** -DITHER_BITS))
 
-    if not all(isinstance(t, types.Integer) and t.bitwidth >= 32 for t in (salt, index)):
+    if not all(isinstance(t, types.Integer) and t.bitwidth >= 32 for t in (base, offset)):
         return None
-    return types.float32(salt, index), codegen
+    return types.float32(base, offset), codegen
 
 
 @numba.njit(inline="always")
@@ -195,8 +197,9 @@ def _codes_of(cbuf, scale, table, mbuf, start, geo):
     if scale > 0:
         inverse = table[_SEVEN] / scale
         if geo.dither:
+            base = geo.salt + start
             for j in range(width):
-                level = level_of(abs(mbuf[j]), inverse, dither_at(geo.salt, start + j), table)
+                level = level_of(abs(mbuf[j]), inverse, dither_at(base, j), table)
                 cbuf[j] = level | (np.uint8(NEGATIVE) if mbuf[j] < 0 else np.uint8(0))
             return
         for j in range(width):
