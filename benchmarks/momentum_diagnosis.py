@@ -68,7 +68,8 @@ class Config:
     block: int = 64  # block codes: elements per block (along a row)
     level_bits: int = 2  # block-levels: bits of the magnitude index
     levels: str = "linear"  # block-levels: "linear" grid j/(L−1), "log" {0, 2^−(L−2), …, 1/2, 1}, "square" (j/(L−1))²
-    rounding: str = "nearest"  # block-levels: "nearest" level, or "stochastic" (between the two neighbours, unbiased)
+    rounding: str = "nearest"  # block-levels: "nearest" level, "stochastic" (between the two neighbours, unbiased),
+    # or "stochastic-first" (stochastic between 0 and the first level, nearest above)
     scale_bits: int = 16  # block codes: a bf16 (16) or fp32 (32) scale per block
     weight_decay_mode: Optional[str] = None  # None: the task's (SMMF's "adam", L2); "adamw": decoupled, as AdamW
 
@@ -129,6 +130,11 @@ VARIANTS: dict[str, tuple[str, Config]] = {
                                   "decoupled weight decay",
                                   replace(PAPER, m_code="block-levels", block=64, level_bits=3, rounding="stochastic",
                                           weight_decay_mode="adamw")),
+    # Stochastic rounding's noise only where nearest rounding's bias did harm (below the first level).
+    "levels3srfirst-128-decoupled-wd": ("M: sign + 3-bit linear level (stochastic below the first level, nearest "
+                                        "above) + bf16 max per 128, decoupled weight decay",
+                                        replace(PAPER, m_code="block-levels", block=128, level_bits=3,
+                                                rounding="stochastic-first", weight_decay_mode="adamw")),
     "levels3log-128-bc": ("M: 3-bit log level per 128, + bias correction",
                           replace(PAPER, m_code="block-levels", block=128, level_bits=3, levels="log",
                                   bias_correction=True)),
@@ -204,13 +210,16 @@ def block_levels_magnitude(a: Tensor, cfg: Config, generator: Optional[torch.Gen
     scale = round_scale(blocks.amax(dim=2, keepdim=True), cfg.scale_bits)
     grid = level_grid(cfg.level_bits, cfg.levels, a.dtype)
     ratio = (blocks / torch.where(scale > 0, scale, 1.0)).clamp(max=1.0)  # ≤ 1 but for the scale's bf16 rounding
-    if cfg.rounding == "stochastic":
+    nearest = torch.bucketize(ratio, (grid[1:] + grid[:-1]) / 2)
+    if cfg.rounding in ("stochastic", "stochastic-first"):
         below = (torch.bucketize(ratio, grid, right=True) - 1).clamp(max=len(grid) - 2)
         low, high = grid[below], grid[below + 1]
         up = torch.rand(ratio.shape, generator=generator, dtype=a.dtype) < (ratio - low) / (high - low)
         index = below + up.long()
+        if cfg.rounding == "stochastic-first":  # unbiased in the dead zone only: less noise above it
+            index = torch.where(below == 0, index, nearest)
     else:
-        index = torch.bucketize(ratio, (grid[1:] + grid[:-1]) / 2)  # nearest level
+        index = nearest
     return (grid[index.clamp(max=len(grid) - 1)] * scale)[mask].view_as(a)
 
 
