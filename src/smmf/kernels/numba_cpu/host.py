@@ -3,6 +3,7 @@ and which launch a tensor takes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -52,7 +53,9 @@ def _as_numpy(t: Tensor) -> np.ndarray:
 
 def scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> Scalars:
     """The step's :class:`Scalars` in the work dtype ``dtype`` (np.float32, or np.float64 for fp64)."""
-    return Scalars(*_group_scalars(cfg, dtype), cap=_work_scalar(dtype)(factor_sum_cap(numel, dtype)))
+    # Keyed without the levels' salt, which each param of a dithered group has its own of.
+    group = cfg if cfg.levels_salt is None else dataclasses.replace(cfg, levels_salt=None)
+    return Scalars(*_group_scalars(group, dtype), cap=_work_scalar(dtype)(factor_sum_cap(numel, dtype)))
 
 
 def _work_scalar(dtype: torch.dtype) -> type:
