@@ -55,7 +55,7 @@ def scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> Scalars:
     """The step's :class:`Scalars` in the work dtype ``dtype`` (np.float32, or np.float64 for fp64)."""
     # Keyed without the levels' salt, which each param of a dithered group has its own of.
     group = cfg if cfg.levels_salt is None else dataclasses.replace(cfg, levels_salt=None)
-    return Scalars(*_group_scalars(group, dtype), cap=_work_scalar(dtype)(factor_sum_cap(numel, dtype)))
+    return Scalars._make((*_group_scalars(group, dtype), _work_scalar(dtype)(factor_sum_cap(numel, dtype))))
 
 
 def _work_scalar(dtype: torch.dtype) -> type:
@@ -90,7 +90,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     dtype = state[ROW_V].dtype
     scalar = _work_scalar(dtype)
     m_cols = momentum_cols(state, cols)
-    empty = np.empty(0, dtype=scalar)
+    empty: np.ndarray = np.empty(0, dtype=scalar)
     scratch = Scratch(
         col_acc_m=np.empty((blocks, m_cols if has_m else 0), dtype=scalar),
         col_acc_v=np.empty((blocks, cols), dtype=scalar),
