@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from .distributed import fused_sharded_steps_, sharded_step_
@@ -77,6 +78,18 @@ def step_kernel(backend: str, param: Tensor, code: MomentumCode) -> Kernel:
     sharded = is_dtensor(param)
     if sharded:
         shard_info(param)  # unsupported placements fail here, before any update
+    # Asked for every param at every step; the answer depends on nothing else (a refusal is not kept).
+    key = (backend, param.device.type, param.dtype, code, sharded)
+    kernel = _CHOSEN.get(key)
+    if kernel is None:
+        kernel = _CHOSEN.setdefault(key, _choose(backend, param, code, sharded))
+    return kernel
+
+
+_CHOSEN: dict[tuple[str, str, torch.dtype, MomentumCode, bool], Kernel] = {}
+
+
+def _choose(backend: str, param: Tensor, code: MomentumCode, sharded: bool) -> Kernel:
     if backend == "torch" or code is MomentumCode.DENSE or (not sharded and _complex_goes_to_torch(param)):
         return SHARDED_TORCH if sharded else TORCH
     fused = fused_backend(backend, param, code, sharded)

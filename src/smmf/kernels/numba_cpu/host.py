@@ -63,14 +63,19 @@ def _work_scalar(dtype: torch.dtype) -> type:
 
 
 @functools.lru_cache(maxsize=64)
-def _group_scalars(cfg: StepConfig, dtype: torch.dtype) -> tuple[Any, ...]:
-    """The :class:`Scalars` before ``cap``: the same for every tensor of a group at a step, so made
-    once (per launch they cost as much as the rest of the host side)."""
+def _group_numbers(cfg: StepConfig, dtype: torch.dtype) -> tuple[float, ...]:
+    """The :class:`Scalars` before ``cap`` as Python floats: the same for every tensor of a group at a
+    step, so made once (per launch they cost as much as the rest of the host side)."""
     beta1 = 0.0 if cfg.beta1 is None else cfg.beta1
     rest1 = 0.0 if cfg.beta1 is None else 1.0 - cfg.beta1
     gsign, shrink, l2 = cfg.folded()
-    return tuple(map(_work_scalar(dtype), (cfg.lr, beta1, rest1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink,
-                                           l2, float(torch.finfo(dtype).max))))
+    return (cfg.lr, beta1, rest1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2, float(torch.finfo(dtype).max))
+
+
+@functools.lru_cache(maxsize=64)
+def _group_scalars(cfg: StepConfig, dtype: torch.dtype) -> tuple[Any, ...]:
+    """:func:`_group_numbers` in the work dtype."""
+    return tuple(map(_work_scalar(dtype), _group_numbers(cfg, dtype)))
 
 
 def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, rows: int, cols: int,
@@ -198,7 +203,7 @@ def steps_(items: Sequence[StepItem]) -> int:
         rows_of_addresses.append((param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(),
                                   state[COL_V].data_ptr()))
         sizes.append((rows, cols, momentum_cols(state, cols)))
-        rows_of_scalars.append(scalars(cfg, rows * cols, torch.float32))
+        rows_of_scalars.append((*_group_numbers(cfg, torch.float32), factor_sum_cap(rows * cols, torch.float32)))
         flags.append((has_m, cfg.zero_nonfinite))
     if rows_of_addresses:
         bad_counts = np.zeros(len(sizes), dtype=np.int64)
