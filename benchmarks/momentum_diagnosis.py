@@ -210,16 +210,16 @@ def block_levels_magnitude(a: Tensor, cfg: Config, generator: Optional[torch.Gen
     scale = round_scale(blocks.amax(dim=2, keepdim=True), cfg.scale_bits)
     grid = level_grid(cfg.level_bits, cfg.levels, a.dtype)
     ratio = (blocks / torch.where(scale > 0, scale, 1.0)).clamp(max=1.0)  # ≤ 1 but for the scale's bf16 rounding
-    nearest = torch.bucketize(ratio, (grid[1:] + grid[:-1]) / 2)
-    if cfg.rounding in ("stochastic", "stochastic-first"):
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    if cfg.rounding == "nearest":
+        index = torch.bucketize(ratio, midpoints)
+    else:
         below = (torch.bucketize(ratio, grid, right=True) - 1).clamp(max=len(grid) - 2)
         low, high = grid[below], grid[below + 1]
         up = torch.rand(ratio.shape, generator=generator, dtype=a.dtype) < (ratio - low) / (high - low)
         index = below + up.long()
         if cfg.rounding == "stochastic-first":  # unbiased in the dead zone only: less noise above it
-            index = torch.where(below == 0, index, nearest)
-    else:
-        index = nearest
+            index = torch.where(below == 0, index, torch.bucketize(ratio, midpoints))
     return (grid[index.clamp(max=len(grid) - 1)] * scale)[mask].view_as(a)
 
 
