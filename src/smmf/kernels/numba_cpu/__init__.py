@@ -10,7 +10,7 @@ flag compares |M| with the *new* factors, which need every row first.
 
 Read top to bottom: :mod:`.structs` (the kernels' named arguments), :mod:`.elements` (the math of
 one element and of a run of them), :mod:`.access` (bf16 rows, packed bits, prefetches),
-:mod:`.passes` (a block's pass, the whole step, the launch of many small tensors), :mod:`.host`
+:mod:`.passes` (a block's pass, the whole step, the launches of many tensors), :mod:`.host`
 (torch tensors in, which launch), :mod:`.cache` (compiled once per machine: a fresh process loads
 the kernels instead of spending seconds of LLVM and ~100 MiB of RSS on its first step).
 """

@@ -21,7 +21,7 @@ from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCA
                       momentum_cols, real_view)
 from ..contract import FlagPass, StepItem
 from .levels import LEVELS_KERNELS, level_table, touched_v_rows
-from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_kernel
+from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_blocks_kernel, many_kernel
 from .structs import FlagArrays, FlagPasses, Geometry, LevelsGeometry, Moments, Options, Scalars, Scratch
 
 # numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
@@ -180,18 +180,82 @@ def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConf
     return bad
 
 
+def _plain_fp32(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
+    """Contiguous fp32 tensors with fp32 state, of the paper's code of M or its natural shape (or none):
+    the ones the shared launches take."""
+    return (param.dtype == torch.float32 and param.is_contiguous() and state[ROW_V].dtype == torch.float32
+            and cfg.code not in (MomentumCode.FLAG, MomentumCode.LEVELS))
+
+
 def takes_many(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
-    """Small contiguous fp32 tensors: their step is mostly per-launch overhead, so they share one."""
-    return (param.dtype == torch.float32 and 0 < param.numel() < PARALLEL_MIN_NUMEL and param.is_contiguous()
-            and state[ROW_V].dtype == torch.float32 and cfg.code not in (MomentumCode.FLAG, MomentumCode.LEVELS))
+    """Small plain fp32 tensors: their step is mostly per-launch overhead, so they share one launch
+    (:func:`many_kernel`), one tensor per thread at a time."""
+    return 0 < param.numel() < PARALLEL_MIN_NUMEL and _plain_fp32(param, state, cfg)
+
+
+def takes_blocks(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
+    """The other plain fp32 tensors: one launch over all their blocks of rows (:func:`many_blocks_kernel`)."""
+    return param.numel() >= PARALLEL_MIN_NUMEL and _plain_fp32(param, state, cfg)
+
+
+def _pointers(param: Tensor, grad: Tensor, state: dict[str, Any], has_m: bool) -> tuple[int, ...]:
+    """The data addresses of (w, g, signs, row_m, col_m, row_v, col_v): a row of the shared launches'
+    ``addresses`` (0 for M's arrays without M)."""
+    moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
+    return (param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(), state[COL_V].data_ptr())
+
+
+@functools.lru_cache(maxsize=16)
+def _work_parts(blocks_and_sizes: tuple[tuple[int, int], ...], parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (tensor, block) rows of :func:`many_blocks_kernel`'s work and where each of ``parts`` threads'
+    part starts, for tensors of (blocks, elements per block): every tensor's blocks spread over the
+    parts in order, cut where the elements add up to an equal share."""
+    items = sorted(((b / blocks, t, b, size) for t, (blocks, size) in enumerate(blocks_and_sizes)
+                    for b in range(blocks)))
+    weights = np.cumsum([size for *_, size in items])
+    cuts = np.searchsorted(weights, weights[-1] * np.arange(1, parts) / parts, side="right")
+    work = np.array([(t, b) for _, t, b, _ in items], dtype=np.int64)
+    return work, np.array([0, *cuts.tolist(), len(items)], dtype=np.int64)
+
+
+def _blocks_launch(items: Sequence[StepItem]) -> int:
+    """The steps of :func:`takes_blocks`' tensors in one launch."""
+    addresses, sizes, rows_of_scalars, flags, alive, shape = [], [], [], [], [], []
+    start = first_block = 0
+    for param, grad, state, cfg in items:
+        rows, cols = matrix_shape(param)
+        grad = grad.contiguous()
+        alive.append(grad)
+        has_m = cfg.beta1 is not None
+        m_cols = momentum_cols(state, cols)
+        rows_per_block, blocks = block_layout(rows, cols)
+        addresses.append(_pointers(param, grad, state, has_m))
+        sizes.append((rows, cols, m_cols, rows_per_block, blocks, start, first_block))
+        rows_of_scalars.append((*_group_numbers(cfg, torch.float32), factor_sum_cap(rows * cols, torch.float32)))
+        flags.append((has_m, cfg.zero_nonfinite))
+        shape.append((blocks, rows_per_block * cols))
+        touched = m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0
+        start += blocks * ((m_cols if has_m else 0) + cols + touched)
+        first_block += blocks
+    work, part_starts = _work_parts(tuple(shape), numba.get_num_threads())
+    bad_counts = np.zeros(first_block, dtype=np.int64)
+    with PARALLEL_LAUNCH:
+        many_blocks_kernel(np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                           np.array(rows_of_scalars, dtype=np.float32), np.array(flags, dtype=np.int64), work,
+                           part_starts, np.empty(start, dtype=np.float32), bad_counts)
+    return sum(int(bad_counts[first:first + blocks].sum())
+               for (*_, blocks, _, first), (_, zero_bad) in zip(sizes, flags) if zero_bad)
 
 
 def steps_(items: Sequence[StepItem]) -> int:
-    """The steps of many tensors: the small fp32 ones in one launch (:func:`many_kernel`, a lone one
-    too), the rest one by one."""
+    """The steps of many tensors: the small plain fp32 ones in one launch (:func:`many_kernel`), the
+    large ones in another (:func:`many_blocks_kernel`), each also when alone; the rest one by one."""
     bad = 0
-    rows_of_addresses, sizes, rows_of_scalars, flags, alive = [], [], [], [], []
+    rows_of_addresses, sizes, rows_of_scalars, flags, alive, large = [], [], [], [], [], []
     for param, grad, state, cfg in items:
+        if takes_blocks(param, state, cfg):
+            large.append((param, grad, state, cfg))
+            continue
         if not takes_many(param, state, cfg):
             bad += own_launch(param, grad, state, cfg)
             continue
@@ -199,12 +263,12 @@ def steps_(items: Sequence[StepItem]) -> int:
         grad = grad.contiguous()
         alive.append(grad)
         has_m = cfg.beta1 is not None
-        moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
-        rows_of_addresses.append((param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(),
-                                  state[COL_V].data_ptr()))
+        rows_of_addresses.append(_pointers(param, grad, state, has_m))
         sizes.append((rows, cols, momentum_cols(state, cols)))
         rows_of_scalars.append((*_group_numbers(cfg, torch.float32), factor_sum_cap(rows * cols, torch.float32)))
         flags.append((has_m, cfg.zero_nonfinite))
+    if large:
+        bad += _blocks_launch(large)
     if rows_of_addresses:
         bad_counts = np.zeros(len(sizes), dtype=np.int64)
         with PARALLEL_LAUNCH:

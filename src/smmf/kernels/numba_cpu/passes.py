@@ -1,6 +1,6 @@
 """The numba kernels' passes: a block of rows walked in column tiles, the whole step over all blocks
-(in parallel or on one thread), the factors finished from the blocks' sums, and the launch of many
-small tensors at once. Arguments: :mod:`smmf.kernels.numba_cpu.structs`; host side:
+(in parallel or on one thread), the factors finished from the blocks' sums, and the launches of many
+tensors at once. Arguments: :mod:`smmf.kernels.numba_cpu.structs`; host side:
 :mod:`smmf.kernels.numba_cpu.host`.
 
 What makes a pass run near the memory's speed (see ``smmf bench``): a block walks its rows in tiles
@@ -420,6 +420,89 @@ def many_kernel(addresses, sizes, scalars, flags, bad_counts):
             Geometry(n, m, m_cols, 0, n, 0, n * m), Options(has_m, False, flags[t, 1] != 0, True),
             Scalars(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]))
         bad_counts[t] = bad[0]
+
+
+@numba.njit(inline="always")
+def _scratch(scratch, start, rows, cols):
+    """``rows`` × ``cols`` of the flat ``scratch`` from ``start``."""
+    return scratch[start:start + rows * cols].reshape((rows, cols))
+
+
+# Cached, and like many_kernel taken by every tensor that the host's ``takes_blocks`` accepts, alone
+# (the step inside backward) or with others: the loop and the step inside backward run the same code.
+@cached_njit(parallel=True, **KERNEL_OPTIONS)
+def many_blocks_kernel(addresses, sizes, scalars, flags, work, part_starts, scratch, bad_counts):
+    """The steps of large fp32 tensors in one launch: one parallel loop over every block of rows of
+    every tensor, then one over the tensors that finishes their factors. One launch instead of one
+    per tensor: a launch's fork and join cost ~15 µs, and a model such as ResNet-50 has ~40 tensors
+    past the small ones' launch.
+
+    Per tensor t: ``addresses[t]``, ``scalars[t]`` and ``flags[t]`` as :func:`many_kernel`'s;
+    ``sizes[t]`` = (n, m, m_cols, rows_per_block, blocks, its scratch's start, its first block's
+    index in ``bad_counts``). Its blocks are those of its own parallel launch (``host.block_layout``)
+    and each block's pass is :func:`_rows_pass`, so the sums add up as they would there. Its scratch,
+    from its start: the blocks' column sums of |M| (blocks × m_cols, none without M) and of V
+    (blocks × m), then their sums of M's rows (blocks × :func:`m_rows_touched`). Part k of the work,
+    ``work[part_starts[k]:part_starts[k + 1]]``, each row a (tensor, block), runs on one thread: the
+    host balances the parts by elements. The caller keeps every tensor alive."""
+    for part in numba.prange(part_starts.shape[0] - 1):
+        for i in range(part_starts[part], part_starts[part + 1]):
+            _tensor_block(addresses, sizes, scalars, flags, scratch, bad_counts, work[i, 0], work[i, 1])
+    for t in numba.prange(sizes.shape[0]):
+        _tensor_finish(addresses, sizes, flags, scratch, t)
+
+
+@numba.njit(inline="always")
+def _tensor_block(addresses, sizes, scalars, flags, scratch, bad_counts, t, b):
+    """Block ``b`` of tensor ``t`` of :func:`many_blocks_kernel`: its :func:`_rows_pass`."""
+    n, m, m_cols, rows_per_block, blocks, start = sizes[t, 0], sizes[t, 1], sizes[t, 2], sizes[t, 3], sizes[t, 4], sizes[t, 5]
+    has_m = flags[t, 0] != 0
+    m_width = m_cols if has_m else 0
+    touched = m_rows_touched(rows_per_block, m, m_cols) if has_m else 0
+    a = addresses[t]
+    s = scalars[t]
+    geo = Geometry(n, m, m_cols, 0, rows_per_block, 0, n * m)
+    first_row, end_row = _block_rows(b, geo)
+    bad_counts[sizes[t, 6] + b] = _block_pass(
+        _float_array(a[0], n * m), _float_array(a[1], n * m),
+        numba.carray(_address(a[2]), (n * m + 7) // 8 if has_m else 0, np.uint8),
+        _float_array(a[3], n * m // m_cols if has_m else 0), _float_array(a[4], m_width),
+        _float_array(a[5], n), _float_array(a[6], m),
+        _scratch(scratch, start, blocks, m_width)[b], _scratch(scratch, start + blocks * m_width, blocks, m)[b],
+        _scratch(scratch, start + blocks * (m_width + m), blocks, touched)[b], first_row, end_row, geo,
+        Options(has_m, False, flags[t, 1] != 0, True),
+        Scalars(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]))
+
+
+@numba.njit(inline="always")
+def _tensor_finish(addresses, sizes, flags, scratch, t):
+    """Tensor ``t``'s factors from its blocks' sums (:func:`_finish_whole`)."""
+    n, m, m_cols, rows_per_block, blocks, start = sizes[t, 0], sizes[t, 1], sizes[t, 2], sizes[t, 3], sizes[t, 4], sizes[t, 5]
+    has_m = flags[t, 0] != 0
+    m_width = m_cols if has_m else 0
+    a = addresses[t]
+    _finish_whole(_float_array(a[3], n * m // m_cols if has_m else 0), _float_array(a[4], m_width),
+                  _float_array(a[5], n), _float_array(a[6], m), _scratch(scratch, start, blocks, m_width),
+                  _scratch(scratch, start + blocks * m_width, blocks, m),
+                  _scratch(scratch, start + blocks * (m_width + m), blocks,
+                           m_rows_touched(rows_per_block, m, m_cols) if has_m else 0),
+                  Geometry(n, m, m_cols, 0, rows_per_block, 0, n * m), has_m)
+
+
+# The two below take the arrays made from addresses as arguments, compiled apart: numba (0.68) loses
+# the slice writes (row_v's in _rows_pass) to such arrays in the function that made them.
+@numba.njit(**KERNEL_OPTIONS)
+def _block_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, first_row, end_row, geo, opts, sc):
+    return _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, first_row, end_row, geo, opts, sc)
+
+
+@numba.njit(**KERNEL_OPTIONS)
+def _finish_whole(row_m, col_m, row_v, col_v, col_acc_m, col_acc_v, row_acc_m, geo, has_m):
+    """A whole matrix's factors from its blocks' sums, as :func:`_step`'s end."""
+    _finish_cols(row_v, col_v, col_acc_v, True)
+    if has_m:
+        _gather_m_rows(row_m, row_acc_m, geo)
+        _finish_cols(row_m, col_m, col_acc_m, True)
 
 
 KERNELS = {True: _kernel_parallel, False: _kernel_serial}
