@@ -339,3 +339,22 @@ def test_recommended_options_leave_a_group_with_another_code_as_it_is() -> None:
     _train(mixed, b, 3)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_params_salt_copies_the_config_as_replace_does() -> None:
+    """Each param of a dithered group takes its own salt at every step: ``with_salt`` copies the config as
+    ``dataclasses.replace`` would, leaving the group's as it was."""
+    from dataclasses import fields, replace
+
+    from smmf.functional import StepConfig
+    from smmf.state import MomentumCode
+
+    cfg = StepConfig(lr=1e-3, beta1=0.9, beta2=0.5, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=False,
+                     maximize=True, stochastic_rounding=True, code=MomentumCode.LEVELS, zero_nonfinite=False,
+                     levels_salt=3)
+    for salt in (7, None):
+        salted = cfg.with_salt(salt)
+        assert salted == replace(cfg, levels_salt=salt) and hash(salted) == hash(replace(cfg, levels_salt=salt))
+        assert [getattr(salted, f.name) for f in fields(cfg) if f.name != "levels_salt"] == [
+            getattr(cfg, f.name) for f in fields(cfg) if f.name != "levels_salt"]
+    assert cfg.levels_salt == 3

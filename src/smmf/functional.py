@@ -61,6 +61,13 @@ class StepConfig:
     zero_nonfinite: bool = True  # NaN/inf gradient elements count as 0 (else they propagate)
     levels_salt: Optional[int] = None  # the levels code under stochastic rounding: this step's salt (smmf.levels)
 
+    def with_salt(self, salt: Optional[int]) -> StepConfig:
+        """This config with ``levels_salt=salt``: what ``dataclasses.replace`` makes, in a fifth of its time
+        (each param of a dithered group takes its own salt at every step, so this is paid per param)."""
+        config = object.__new__(StepConfig)
+        config.__dict__.update(self.__dict__, levels_salt=salt)
+        return config
+
     def folded(self) -> tuple[float, float, float]:
         """``(gsign, shrink, l2)``: maximize and weight decay as every path applies them —
         ``W ← shrink·W`` (decoupled decay), then ``G ← gsign·G + l2·W`` (coupled, L2)."""

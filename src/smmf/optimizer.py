@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
 import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union, cast
@@ -441,7 +440,7 @@ class SMMF(Optimizer):
                 key = (id(group), state[STEP], code)
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))
                 if cfg.levels_salt is not None:  # each param draws its own dither
-                    cfg = replace(cfg, levels_salt=step_salt(state[STEP], self._ordinal(param)))
+                    cfg = cfg.with_salt(step_salt(state[STEP], self._ordinal(param)))
                 if not kernel.batched:
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()

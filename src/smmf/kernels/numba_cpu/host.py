@@ -3,7 +3,6 @@ and which launch a tensor takes."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
@@ -54,7 +53,7 @@ def _as_numpy(t: Tensor) -> np.ndarray:
 def scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> Scalars:
     """The step's :class:`Scalars` in the work dtype ``dtype`` (np.float32, or np.float64 for fp64)."""
     # Keyed without the levels' salt, which each param of a dithered group has its own of.
-    group = cfg if cfg.levels_salt is None else dataclasses.replace(cfg, levels_salt=None)
+    group = cfg if cfg.levels_salt is None else cfg.with_salt(None)
     return Scalars._make((*_group_scalars(group, dtype), _work_scalar(dtype)(factor_sum_cap(numel, dtype))))
 
 
