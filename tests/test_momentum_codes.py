@@ -224,8 +224,9 @@ def test_recommended_options_build_the_levels_code_and_copy() -> None:
     assert all("codes_m" in opt.state[p] for p in model.parameters())
     assert opt.param_groups[0]["weight_decay_mode"] == "adamw"  # decoupled decay: SMMF's default
     assert opt.param_groups[0]["momentum_rounding"] == "stochastic"
+    assert opt.param_groups[0]["decay_rate"] == -0.8
     assert copy.deepcopy(smmf.RECOMMENDED) == pickle.loads(pickle.dumps(smmf.RECOMMENDED)) == {
-        "magnitude_bits": 3, "momentum_rounding": "stochastic"}
+        "magnitude_bits": 3, "momentum_rounding": "stochastic", "decay_rate": -0.8}
     assert SMMF(model.parameters(), **{**smmf.RECOMMENDED, "lr": 3e-4}).defaults["lr"] == 3e-4
 
 
@@ -329,11 +330,12 @@ def test_stochastic_rounding_changes_the_code_not_its_bytes() -> None:
 
 def test_recommended_options_leave_a_group_with_another_code_as_it_is() -> None:
     """``momentum_rounding`` rounds the levels code only: a group that keeps the paper's code under
-    ``**smmf.RECOMMENDED`` steps exactly as without it."""
+    ``**smmf.RECOMMENDED`` steps exactly as that code with the rest of the recommendation (its γ)."""
     import smmf
 
     a, b = _model(), _model()
-    plain = SMMF(a.parameters(), magnitude_bits=0)
+    rest = {k: v for k, v in smmf.RECOMMENDED.items() if k not in ("magnitude_bits", "momentum_rounding")}
+    plain = SMMF(a.parameters(), magnitude_bits=0, **rest)
     mixed = SMMF([{"params": list(b.parameters()), "magnitude_bits": 0}], **smmf.RECOMMENDED)
     _train(plain, a, 3)
     _train(mixed, b, 3)

@@ -68,7 +68,7 @@ BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25
 MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"), "SMMF flag": dict(magnitude_bits=1),
                   "SMMF natural+flag": dict(momentum_shape="natural", magnitude_bits=1),
                   "SMMF levels": dict(magnitude_bits=3),
-                  "SMMF levels stochastic": dict(magnitude_bits=3, momentum_rounding="stochastic")}  # smmf.RECOMMENDED
+                  "SMMF levels stochastic": dict(magnitude_bits=3, momentum_rounding="stochastic")}  # smmf.RECOMMENDED's code
 
 
 def peer_factories(quiet: bool = False) -> dict[str, OptimFactory]:
