@@ -164,7 +164,8 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
 
 
 def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
-    """A tensor's step in a launch of its own (all but the small fp32 ones)."""
+    """A tensor's step in a launch of its own (those the shared launches do not take: bf16, fp64, strided,
+    the magnitude flag and the levels code)."""
     rows, cols = matrix_shape(param)
     if rows == 0:
         return 0
@@ -204,7 +205,8 @@ def _pointers(param: Tensor, grad: Tensor, state: dict[str, Any], has_m: bool) -
     return (param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(), state[COL_V].data_ptr())
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=256)  # one entry per set of shapes stepped together (each shape alone under
+# the step inside backward)
 def _work_parts(blocks_and_sizes: tuple[tuple[int, int], ...], parts: int) -> tuple[np.ndarray, np.ndarray]:
     """The (tensor, block) rows of :func:`many_blocks_kernel`'s work and where each of ``parts`` threads'
     part starts, for tensors of (blocks, elements per block): every tensor's blocks spread over the

@@ -448,8 +448,11 @@ def many_blocks_kernel(addresses, sizes, scalars, flags, work, part_starts, scra
     for part in numba.prange(part_starts.shape[0] - 1):
         for i in range(part_starts[part], part_starts[part + 1]):
             _tensor_block(addresses, sizes, scalars, flags, scratch, bad_counts, work[i, 0], work[i, 1])
-    for t in numba.prange(sizes.shape[0]):
-        _tensor_finish(addresses, sizes, flags, scratch, t)
+    if sizes.shape[0] == 1:  # a lone tensor (the step inside backward): no second parallel region
+        _tensor_finish(addresses, sizes, flags, scratch, 0)
+    else:
+        for t in numba.prange(sizes.shape[0]):
+            _tensor_finish(addresses, sizes, flags, scratch, t)
 
 
 @numba.njit(inline="always")
