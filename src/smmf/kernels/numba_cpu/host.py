@@ -209,10 +209,11 @@ def _pointers(param: Tensor, grad: Tensor, state: dict[str, Any], has_m: bool) -
 # the step inside backward)
 def _work_parts(blocks_and_sizes: tuple[tuple[int, int], ...], parts: int) -> tuple[np.ndarray, np.ndarray]:
     """The (tensor, block) rows of :func:`many_blocks_kernel`'s work and where each of ``parts`` threads'
-    part starts, for tensors of (blocks, elements per block): every tensor's blocks spread over the
-    parts in order, cut where the elements add up to an equal share."""
-    items = sorted(((b / blocks, t, b, size) for t, (blocks, size) in enumerate(blocks_and_sizes)
-                    for b in range(blocks)))
+    part starts, for tensors of (blocks, elements per block): the k-th share of every tensor's blocks goes
+    to part k, a tensor's blocks one after another (its column factors and sums stay in cache), and the
+    parts are cut where the elements add up to an equal share."""
+    items = sorted((b * parts // blocks, t, b, size) for t, (blocks, size) in enumerate(blocks_and_sizes)
+                   for b in range(blocks))
     weights = np.cumsum([size for *_, size in items])
     cuts = np.searchsorted(weights, weights[-1] * np.arange(1, parts) / parts, side="right")
     work = np.array([(t, b) for _, t, b, _ in items], dtype=np.int64)
