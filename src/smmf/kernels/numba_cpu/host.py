@@ -20,7 +20,7 @@ from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCA
                       momentum_cols, real_view)
 from ..contract import FlagPass, StepItem
 from .levels import LEVELS_KERNELS, level_table, touched_v_rows
-from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_blocks_kernel, many_kernel
+from .passes import FLAG_KERNELS, KERNELS, SCRATCH_PAD, m_rows_touched, many_blocks_kernel, many_kernel
 from .structs import FlagArrays, FlagPasses, Geometry, LevelsGeometry, Moments, Options, Scalars, Scratch
 
 # numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
@@ -250,7 +250,7 @@ def _blocks_launch(items: Sequence[StepItem]) -> int:
         flags.append((has_m, cfg.zero_nonfinite))
         shape.append((blocks, rows_per_block * cols))
         touched = m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0
-        start += blocks * ((m_cols if has_m else 0) + cols + touched)
+        start += blocks * ((m_cols if has_m else 0) + cols + touched) + 3 * SCRATCH_PAD
         first_block += blocks
     work, part_starts = _work_parts(tuple(shape), numba.get_num_threads())
     bad_counts = np.zeros(first_block, dtype=np.int64)

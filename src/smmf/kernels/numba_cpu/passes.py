@@ -422,6 +422,12 @@ def many_kernel(addresses, sizes, scalars, flags, bad_counts):
         bad_counts[t] = bad[0]
 
 
+# Floats between the three sums of a tensor in the blocks launch's scratch (and after them): laid end to
+# end, |M|'s and V's column sums of a block sit a multiple of 4 KiB apart for many shapes, and the CPU
+# then stalls on loads it cannot tell from the stores to the other ("4K aliasing").
+SCRATCH_PAD = 16
+
+
 @numba.njit(inline="always")
 def _scratch(scratch, start, rows, cols):
     """``rows`` × ``cols`` of the flat ``scratch`` from ``start``."""
@@ -471,8 +477,8 @@ def _tensor_block(addresses, sizes, scalars, flags, scratch, bad_counts, t, b):
         numba.carray(_address(a[2]), (n * m + 7) // 8 if has_m else 0, np.uint8),
         _float_array(a[3], n * m // m_cols if has_m else 0), _float_array(a[4], m_width),
         _float_array(a[5], n), _float_array(a[6], m),
-        _scratch(scratch, start, blocks, m_width)[b], _scratch(scratch, start + blocks * m_width, blocks, m)[b],
-        _scratch(scratch, start + blocks * (m_width + m), blocks, touched)[b], first_row, end_row, geo,
+        _scratch(scratch, start, blocks, m_width)[b], _scratch(scratch, start + blocks * m_width + SCRATCH_PAD, blocks, m)[b],
+        _scratch(scratch, start + blocks * (m_width + m) + 2 * SCRATCH_PAD, blocks, touched)[b], first_row, end_row, geo,
         Options(has_m, False, flags[t, 1] != 0, True),
         Scalars(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]))
 
@@ -486,8 +492,8 @@ def _tensor_finish(addresses, sizes, flags, scratch, t):
     a = addresses[t]
     _finish_whole(_float_array(a[3], n * m // m_cols if has_m else 0), _float_array(a[4], m_width),
                   _float_array(a[5], n), _float_array(a[6], m), _scratch(scratch, start, blocks, m_width),
-                  _scratch(scratch, start + blocks * m_width, blocks, m),
-                  _scratch(scratch, start + blocks * (m_width + m), blocks,
+                  _scratch(scratch, start + blocks * m_width + SCRATCH_PAD, blocks, m),
+                  _scratch(scratch, start + blocks * (m_width + m) + 2 * SCRATCH_PAD, blocks,
                            m_rows_touched(rows_per_block, m, m_cols) if has_m else 0),
                   Geometry(n, m, m_cols, 0, rows_per_block, 0, n * m), has_m)
 
