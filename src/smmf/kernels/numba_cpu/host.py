@@ -232,7 +232,7 @@ _SCRATCH = np.empty(0, dtype=np.float32)
 def _blocks_scratch(size: int) -> np.ndarray:
     """At least ``size`` floats of scratch for :func:`many_blocks_kernel`, kept from launch to launch (the
     blocks zero their sums first): fresh, a model's few MiB came from the OS at every step, page by page
-    (4% of the 52M set's step)."""
+    (the 52M set's step 1.04× the one-launch-per-tensor commit's before, 0.98× after, in one A/B each)."""
     global _SCRATCH
     if _SCRATCH.size < size:
         _SCRATCH = np.empty(size, dtype=np.float32)

@@ -424,7 +424,8 @@ def many_kernel(addresses, sizes, scalars, flags, bad_counts):
 
 # Floats between the three sums of a tensor in the blocks launch's scratch (and after them): laid end to
 # end, |M|'s and V's column sums of a block sit a multiple of 4 KiB apart for many shapes, and the CPU
-# then stalls on loads it cannot tell from the stores to the other ("4K aliasing").
+# then stalls on loads it cannot tell from the stores to the other ("4K aliasing"; a precaution, not
+# measured on its own).
 SCRATCH_PAD = 16
 
 
