@@ -119,6 +119,24 @@ def test_unavailable_backend_is_a_clear_error() -> None:
         check_backend("cuda")
 
 
+def _step_with(params, optimizers, step_grads) -> None:
+    """Give ``params`` these gradients, then step every optimizer once."""
+    for p, g in zip(params, step_grads):
+        p.grad = g.clone()
+    for opt in optimizers:
+        opt.step()
+
+
+def _assert_as_alone_and_near_own(opt, together, singles, alone, own) -> None:
+    """Each param of ``opt`` equals, state and all, the same param stepped by an optimizer of its own
+    (``singles``), and is within float noise of ``own`` (stepped by its per-tensor kernel)."""
+    for p, q, r, single in zip(together, alone, own, singles):
+        assert torch.equal(p, q)
+        for key, value in opt.state[p].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key
+        torch.testing.assert_close(r, p, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
 def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for_bit(monkeypatch) -> None:
     """Small fp32 tensors go through one launch per step (their step is mostly launch overhead);
@@ -142,25 +160,15 @@ def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for
         grads = [[torch.randn(p.shape, generator=gen) for p in together] for _ in range(3)]
         launches.clear()
         for step_grads in grads:
-            for p, g in zip(together, step_grads):
-                p.grad = g.clone()
-            opt.step()
-            for q, single, g in zip(alone, singles, step_grads):
-                q.grad = g.clone()
-                single.step()
+            _step_with(together, [opt], step_grads)
+            _step_with(alone, singles, step_grads)
         assert launches == ([len(shapes)] + [1] * len(shapes)) * 3  # one launch per step, alone or shared
         monkeypatch.setattr(host, "takes_many", lambda *args: False)  # the per-tensor kernel
         for step_grads in grads:
-            for q, single, g in zip(own, owns, step_grads):
-                q.grad = g.clone()
-                single.step()
+            _step_with(own, owns, step_grads)
         monkeypatch.undo()
         monkeypatch.setattr(host, "many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
-        for p, q, r, single in zip(together, alone, own, singles):
-            assert torch.equal(p, q)
-            for key, value in opt.state[p].items():
-                assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key
-            torch.testing.assert_close(r, p, rtol=1e-6, atol=1e-6)
+        _assert_as_alone_and_near_own(opt, together, singles, alone, own)
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
@@ -189,12 +197,8 @@ def test_large_cpu_tensors_share_one_launch_and_match_their_own_launches(monkeyp
     owns = [SMMF([p], backend="numba", **config) for p in own]
     grads = [[torch.randn(p.shape, generator=gen) for p in together] for _ in range(3)]
     for step_grads in grads:
-        for p, g in zip(together, step_grads):
-            p.grad = g.clone()
-        opt.step()
-        for q, single, g in zip(alone, singles, step_grads):
-            q.grad = g.clone()
-            single.step()
+        _step_with(together, [opt], step_grads)
+        _step_with(alone, singles, step_grads)
     # the 9×9 takes the small tensors' launch, the 1024×1025 one of its own
     assert launches == ([len(shapes) - 2] + [1] * (len(shapes) - 2)) * 3
     threads = numba.get_num_threads()
@@ -202,27 +206,17 @@ def test_large_cpu_tensors_share_one_launch_and_match_their_own_launches(monkeyp
         numba.set_num_threads(1)
         step_grads = [torch.randn(p.shape, generator=gen) for p in together]
         grads.append(step_grads)
-        for p, g in zip(together, step_grads):
-            p.grad = g.clone()
-        opt.step()
-        for q, single, g in zip(alone, singles, step_grads):
-            q.grad = g.clone()
-            single.step()
+        _step_with(together, [opt], step_grads)
+        _step_with(alone, singles, step_grads)
     finally:
         numba.set_num_threads(threads)
     monkeypatch.setattr(host, "takes_blocks", lambda *args: False)  # each in a parallel launch of its own
     for number, step_grads in enumerate(grads):
         if number == 3:
             numba.set_num_threads(1)
-        for r, single, g in zip(own, owns, step_grads):
-            r.grad = g.clone()
-            single.step()
+        _step_with(own, owns, step_grads)
     numba.set_num_threads(threads)
-    for p, q, r, single in zip(together, alone, own, singles):
-        assert torch.equal(p, q)
-        for key, value in opt.state[p].items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key
-        torch.testing.assert_close(r, p, rtol=1e-6, atol=1e-6)
+    _assert_as_alone_and_near_own(opt, together, singles, alone, own)
     monkeypatch.undo()
     items = []
     for count, p in enumerate(together[:3]):

@@ -20,7 +20,7 @@ from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCA
                       momentum_cols, real_view)
 from ..contract import FlagPass, StepItem
 from .levels import LEVELS_KERNELS, level_table, touched_v_rows
-from .passes import FLAG_KERNELS, KERNELS, SCRATCH_PAD, m_rows_touched, many_blocks_kernel, many_kernel
+from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_blocks_kernel, many_kernel
 from .structs import FlagArrays, FlagPasses, Geometry, LevelsGeometry, Moments, Options, Scalars, Scratch
 
 # numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
@@ -204,11 +204,24 @@ def takes_blocks(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
     return PARALLEL_MIN_NUMEL <= param.numel() < BLOCKS_MAX_NUMEL and _plain_fp32(param, state, cfg)
 
 
-def _pointers(param: Tensor, grad: Tensor, state: dict[str, Any], has_m: bool) -> tuple[int, ...]:
-    """The data addresses of (w, g, signs, row_m, col_m, row_v, col_v): a row of the shared launches'
-    ``addresses`` (0 for M's arrays without M)."""
+def _shared_row(param: Tensor, grad: Tensor, state: dict[str, Any],
+                cfg: StepConfig) -> tuple[Tensor, tuple[int, ...], tuple[float, ...], tuple[bool, bool]]:
+    """A tensor's rows of the shared launches' tables, and the contiguous gradient they point to (the
+    caller keeps it alive): the data addresses of (w, g, signs, row_m, col_m, row_v, col_v), 0 for M's
+    arrays without M; the :class:`Scalars`; (has_m, zero_bad)."""
+    rows, cols = matrix_shape(param)
+    grad = grad.contiguous()
+    has_m = cfg.beta1 is not None
     moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
-    return (param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(), state[COL_V].data_ptr())
+    addresses = (param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(), state[COL_V].data_ptr())
+    numbers = (*_group_numbers(cfg, torch.float32), factor_sum_cap(rows * cols, torch.float32))
+    return grad, addresses, numbers, (has_m, cfg.zero_nonfinite)
+
+
+# Floats after each of a tensor's three sums in the blocks launch's scratch: laid end to end, |M|'s and V's
+# column sums of a block sit a multiple of 4 KiB apart for many shapes, and the CPU then stalls on loads it
+# cannot tell from the stores to the other ("4K aliasing"; a precaution, not measured on its own).
+SCRATCH_PAD = 16
 
 
 @functools.lru_cache(maxsize=256)  # one entry per set of shapes stepped together (each shape alone under
@@ -244,19 +257,21 @@ def _blocks_launch(items: Sequence[StepItem]) -> int:
     addresses, sizes, rows_of_scalars, flags, alive, shape = [], [], [], [], [], []
     start = first_block = 0
     for param, grad, state, cfg in items:
-        rows, cols = matrix_shape(param)
-        grad = grad.contiguous()
+        grad, address, numbers, flag = _shared_row(param, grad, state, cfg)
         alive.append(grad)
-        has_m = cfg.beta1 is not None
+        addresses.append(address)
+        rows_of_scalars.append(numbers)
+        flags.append(flag)
+        rows, cols = matrix_shape(param)
         m_cols = momentum_cols(state, cols)
+        m_width = m_cols if flag[0] else 0
         rows_per_block, blocks = block_layout(rows, cols)
-        addresses.append(_pointers(param, grad, state, has_m))
-        sizes.append((rows, cols, m_cols, rows_per_block, blocks, start, first_block))
-        rows_of_scalars.append((*_group_numbers(cfg, torch.float32), factor_sum_cap(rows * cols, torch.float32)))
-        flags.append((has_m, cfg.zero_nonfinite))
+        touched = m_rows_touched(rows_per_block, cols, m_cols) if flag[0] else 0
+        v_start = start + blocks * m_width + SCRATCH_PAD  # the three sums, |M|'s columns from start
+        rows_start = v_start + blocks * cols + SCRATCH_PAD
+        sizes.append((rows, cols, m_cols, rows_per_block, blocks, start, v_start, rows_start, first_block))
         shape.append((blocks, rows_per_block * cols))
-        touched = m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0
-        start += blocks * ((m_cols if has_m else 0) + cols + touched) + 3 * SCRATCH_PAD
+        start = rows_start + blocks * touched + SCRATCH_PAD
         first_block += blocks
     work, part_starts = _work_parts(tuple(shape), numba.get_num_threads())
     bad_counts = np.zeros(first_block, dtype=np.int64)
@@ -265,7 +280,7 @@ def _blocks_launch(items: Sequence[StepItem]) -> int:
                            np.array(rows_of_scalars, dtype=np.float32), np.array(flags, dtype=np.int64), work,
                            part_starts, _blocks_scratch(start), bad_counts)
     return sum(int(bad_counts[first:first + blocks].sum())
-               for (*_, blocks, _, first), (_, zero_bad) in zip(sizes, flags) if zero_bad)
+               for (*_, blocks, _, _, _, first), (_, zero_bad) in zip(sizes, flags) if zero_bad)
 
 
 def steps_(items: Sequence[StepItem]) -> int:
@@ -280,14 +295,13 @@ def steps_(items: Sequence[StepItem]) -> int:
         if not takes_many(param, state, cfg):
             bad += own_launch(param, grad, state, cfg)
             continue
-        rows, cols = matrix_shape(param)
-        grad = grad.contiguous()
+        grad, address, numbers, flag = _shared_row(param, grad, state, cfg)
         alive.append(grad)
-        has_m = cfg.beta1 is not None
-        rows_of_addresses.append(_pointers(param, grad, state, has_m))
+        rows_of_addresses.append(address)
+        rows, cols = matrix_shape(param)
         sizes.append((rows, cols, momentum_cols(state, cols)))
-        rows_of_scalars.append((*_group_numbers(cfg, torch.float32), factor_sum_cap(rows * cols, torch.float32)))
-        flags.append((has_m, cfg.zero_nonfinite))
+        rows_of_scalars.append(numbers)
+        flags.append(flag)
     if large:
         bad += _blocks_launch(large)
     if rows_of_addresses:

@@ -422,13 +422,6 @@ def many_kernel(addresses, sizes, scalars, flags, bad_counts):
         bad_counts[t] = bad[0]
 
 
-# Floats between the three sums of a tensor in the blocks launch's scratch (and after them): laid end to
-# end, |M|'s and V's column sums of a block sit a multiple of 4 KiB apart for many shapes, and the CPU
-# then stalls on loads it cannot tell from the stores to the other ("4K aliasing"; a precaution, not
-# measured on its own).
-SCRATCH_PAD = 16
-
-
 @numba.njit(inline="always")
 def _scratch(scratch, start, rows, cols):
     """``rows`` × ``cols`` of the flat ``scratch`` from ``start``."""
@@ -445,11 +438,11 @@ def many_blocks_kernel(addresses, sizes, scalars, flags, work, part_starts, scra
     past the small ones' launch.
 
     Per tensor t: ``addresses[t]``, ``scalars[t]`` and ``flags[t]`` as :func:`many_kernel`'s;
-    ``sizes[t]`` = (n, m, m_cols, rows_per_block, blocks, its scratch's start, its first block's
-    index in ``bad_counts``). Its blocks are those of its own parallel launch (``host.block_layout``)
-    and each block's pass is :func:`_rows_pass`, so the sums add up as they would there. Its scratch,
-    from its start: the blocks' column sums of |M| (blocks × m_cols, none without M) and of V
-    (blocks × m), then their sums of M's rows (blocks × :func:`m_rows_touched`). Part k of the work,
+    ``sizes[t]`` = (n, m, m_cols, rows_per_block, blocks, then where its blocks' sums start in
+    ``scratch``: their column sums of |M| (blocks × m_cols, none without M), of V (blocks × m) and their
+    sums of M's rows (blocks × :func:`m_rows_touched`), then its first block's index in ``bad_counts``);
+    the host lays them out. Its blocks are those of its own parallel launch (``host.block_layout``)
+    and each block's pass is :func:`_rows_pass`, so the sums add up as they would there. Part k of the work,
     ``work[part_starts[k]:part_starts[k + 1]]``, each row a (tensor, block), runs on one thread: the
     host balances the parts by elements. The caller keeps every tensor alive."""
     for part in numba.prange(part_starts.shape[0] - 1):
@@ -465,37 +458,35 @@ def many_blocks_kernel(addresses, sizes, scalars, flags, work, part_starts, scra
 @numba.njit(inline="always")
 def _tensor_block(addresses, sizes, scalars, flags, scratch, bad_counts, t, b):
     """Block ``b`` of tensor ``t`` of :func:`many_blocks_kernel`: its :func:`_rows_pass`."""
-    n, m, m_cols, rows_per_block, blocks, start = sizes[t, 0], sizes[t, 1], sizes[t, 2], sizes[t, 3], sizes[t, 4], sizes[t, 5]
+    n, m, m_cols, rows_per_block, blocks = sizes[t, 0], sizes[t, 1], sizes[t, 2], sizes[t, 3], sizes[t, 4]
     has_m = flags[t, 0] != 0
     m_width = m_cols if has_m else 0
-    touched = m_rows_touched(rows_per_block, m, m_cols) if has_m else 0
     a = addresses[t]
     s = scalars[t]
     geo = Geometry(n, m, m_cols, 0, rows_per_block, 0, n * m)
     first_row, end_row = _block_rows(b, geo)
-    bad_counts[sizes[t, 6] + b] = _block_pass(
+    bad_counts[sizes[t, 8] + b] = _block_pass(
         _float_array(a[0], n * m), _float_array(a[1], n * m),
         numba.carray(_address(a[2]), (n * m + 7) // 8 if has_m else 0, np.uint8),
         _float_array(a[3], n * m // m_cols if has_m else 0), _float_array(a[4], m_width),
         _float_array(a[5], n), _float_array(a[6], m),
-        _scratch(scratch, start, blocks, m_width)[b], _scratch(scratch, start + blocks * m_width + SCRATCH_PAD, blocks, m)[b],
-        _scratch(scratch, start + blocks * (m_width + m) + 2 * SCRATCH_PAD, blocks, touched)[b], first_row, end_row, geo,
-        Options(has_m, False, flags[t, 1] != 0, True),
+        _scratch(scratch, sizes[t, 5], blocks, m_width)[b], _scratch(scratch, sizes[t, 6], blocks, m)[b],
+        _scratch(scratch, sizes[t, 7], blocks, m_rows_touched(rows_per_block, m, m_cols) if has_m else 0)[b],
+        first_row, end_row, geo, Options(has_m, False, flags[t, 1] != 0, True),
         Scalars(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]))
 
 
 @numba.njit(inline="always")
 def _tensor_finish(addresses, sizes, flags, scratch, t):
     """Tensor ``t``'s factors from its blocks' sums (:func:`_finish_whole`)."""
-    n, m, m_cols, rows_per_block, blocks, start = sizes[t, 0], sizes[t, 1], sizes[t, 2], sizes[t, 3], sizes[t, 4], sizes[t, 5]
+    n, m, m_cols, rows_per_block, blocks = sizes[t, 0], sizes[t, 1], sizes[t, 2], sizes[t, 3], sizes[t, 4]
     has_m = flags[t, 0] != 0
     m_width = m_cols if has_m else 0
     a = addresses[t]
     _finish_whole(_float_array(a[3], n * m // m_cols if has_m else 0), _float_array(a[4], m_width),
-                  _float_array(a[5], n), _float_array(a[6], m), _scratch(scratch, start, blocks, m_width),
-                  _scratch(scratch, start + blocks * m_width + SCRATCH_PAD, blocks, m),
-                  _scratch(scratch, start + blocks * (m_width + m) + 2 * SCRATCH_PAD, blocks,
-                           m_rows_touched(rows_per_block, m, m_cols) if has_m else 0),
+                  _float_array(a[5], n), _float_array(a[6], m), _scratch(scratch, sizes[t, 5], blocks, m_width),
+                  _scratch(scratch, sizes[t, 6], blocks, m),
+                  _scratch(scratch, sizes[t, 7], blocks, m_rows_touched(rows_per_block, m, m_cols) if has_m else 0),
                   Geometry(n, m, m_cols, 0, rows_per_block, 0, n * m), has_m)
 
 
