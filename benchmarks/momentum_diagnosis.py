@@ -146,6 +146,15 @@ VARIANTS: dict[str, tuple[str, Config]] = {
                                        "decoupled weight decay, γ = −0.8",
                                        replace(PAPER, m_code="block-levels", block=128, level_bits=3,
                                                rounding="stochastic", weight_decay_mode="adamw", decay_rate=-0.8)),
+    # what is left of the γ = −0.8 bound's gap to AdamW: β1's growth (0.9 → 0.60 by step 400 with λ = 0.999)?
+    "dense-m-decoupled-wd-g08-const-beta1": ("dense-M bound with decoupled weight decay, γ = −0.8, β1 = 0.9 constant",
+                                             replace(PAPER, m_code="dense", weight_decay_mode="adamw", decay_rate=-0.8,
+                                                     beta1_growth=False)),
+    "levels3sr-128-decoupled-wd-g08-const-beta1": ("M: sign + 3-bit linear level (stochastic rounding) + bf16 max per "
+                                                   "128, decoupled weight decay, γ = −0.8, β1 = 0.9 constant",
+                                                   replace(PAPER, m_code="block-levels", block=128, level_bits=3,
+                                                           rounding="stochastic", weight_decay_mode="adamw",
+                                                           decay_rate=-0.8, beta1_growth=False)),
     "levels3log-128-bc": ("M: 3-bit log level per 128, + bias correction",
                           replace(PAPER, m_code="block-levels", block=128, level_bits=3, levels="log",
                                   bias_correction=True)),
