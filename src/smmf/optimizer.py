@@ -425,22 +425,22 @@ class SMMF(Optimizer):
             if grad is None:
                 continue
             _check_grad(param, grad)
-            state = self.state.get(param)
+            before = self.state.get(param)
             code = momentum_code(param, group)
-            if state:
-                check_state_fits(param, group, state, code)
-            else:
-                state = init_state(param, group)
-            work.append((group, param, grad, state, code, step_kernel(group["backend"], param, code)))
+            if before:
+                check_state_fits(param, group, before, code)
+            state: dict[str, Any] = before if before else init_state(param, group)
+            work.append((group, param, grad, before, state, code, step_kernel(group["backend"], param, code)))
         self._nonfinite.poll()
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
         batches: dict[Kernel, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
         configs: dict[tuple[int, int, MomentumCode], StepConfig] = {}
         pending = []  # (param, its state before) of the steps not yet run: restored if one raises
         try:
-            for group, param, grad, state, code, kernel in work:
-                pending.append((param, self.state.get(param)))
-                self.state[param] = state
+            for group, param, grad, before, state, code, kernel in work:
+                pending.append((param, before))
+                if state is not before:
+                    self.state[param] = state
                 state[STEP] += 1
                 key = (id(group), state[STEP], code)
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))

@@ -58,7 +58,7 @@ def factor_dtype(param: Tensor) -> torch.dtype:
 
 
 def is_dense(param: Tensor, group: Mapping[str, Any]) -> bool:
-    return real_view(param).dim() <= 1 and not group["vector_reshape"]
+    return not group["vector_reshape"] and real_view(param).dim() <= 1
 
 
 def matrix_shape(param: Tensor) -> tuple[int, int]:
@@ -86,6 +86,10 @@ class MomentumCode(enum.Enum):
     SIGN = "sign"  # the paper's: M's 1-bit signs and a rank-1 NNMF of |M|
     FLAG = "flag"  # SIGN plus a 1-bit magnitude flag and two levels (magnitude_bits=1)
     LEVELS = "levels"  # a sign and a 3-bit level per element, a bf16 scale per block of a row (magnitude_bits=3)
+
+    # A member equals only itself: hashed by identity, in C (Enum's hashes its name in Python, and the
+    # code is part of several keys looked up for every param at every step).
+    __hash__ = object.__hash__
 
 
 def momentum_code(param: Tensor, group: Mapping[str, Any]) -> MomentumCode:
@@ -189,8 +193,10 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
     ``beta`` to or from None, ``vector_reshape``, ``momentum_shape``, ``magnitude_bits`` — would be
     ignored, and the optimizer could then not load its own checkpoint). ``code``: ``param``'s
     :func:`momentum_code` under ``group``, where the caller has it."""
-    real = real_view(param)
     code = momentum_code(param, group) if code is None else code
+    if not is_dtensor(param) and _fits_as_made(param, group, state, code):
+        return  # every step of every param lands here: the checks below say what does not fit
+    real = real_view(param)
     if state.keys() != _STATE_KEYS[code, group["beta"] is not None]:
         if STEP not in state:
             raise RuntimeError(f"a parameter of shape {tuple(param.shape)} has SMMF state without its 'step' count: "
@@ -217,6 +223,36 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
         f"a parameter of shape {tuple(param.shape)} has SMMF state made for another shape "
         f"(state {got}, this shape needs {need}): was its .data replaced? Build a new optimizer for it"
     )
+
+
+# The shape of each state tensor of a plain (not DTensor) param, by what decides them (:func:`state_layout`).
+_LIVE_SHAPES: dict[tuple[Any, ...], tuple[tuple[str, torch.Size], ...]] = {}
+
+
+def _fits_as_made(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any], code: MomentumCode) -> bool:
+    """Whether a plain ``param``'s ``state`` has ``step`` and exactly the tensors, of the shapes, that
+    :func:`init_state` makes for it now (``code``: its :func:`momentum_code` under ``group``)."""
+    shapes = _live_shapes(param, group, code)
+    if len(state) != len(shapes) + 1 or STEP not in state:
+        return False
+    for key, shape in shapes:
+        tensor = state.get(key)
+        if not isinstance(tensor, Tensor) or tensor.shape != shape:
+            return False
+    return True
+
+
+def _live_shapes(param: Tensor, group: Mapping[str, Any], code: MomentumCode) -> tuple[tuple[str, torch.Size], ...]:
+    """:func:`state_layout`'s shapes for a plain ``param`` whose state is of ``code``, made once per
+    shape, dtype and option that decides them."""
+    key = (param.shape, param.dtype, code, group["beta"] is not None, momentum_option(group, "momentum_shape"))
+    shapes = _LIVE_SHAPES.get(key)
+    if shapes is None:
+        if len(_LIVE_SHAPES) >= 4096:  # a process that makes model after model
+            _LIVE_SHAPES.clear()
+        shapes = _LIVE_SHAPES[key] = tuple((name, torch.Size(spec.shape))
+                                           for name, spec in state_layout(param, group).items())
+    return shapes
 
 
 def _refuse_layout_change() -> None:
