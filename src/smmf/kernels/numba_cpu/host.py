@@ -214,8 +214,23 @@ def _shared_row(param: Tensor, grad: Tensor, state: dict[str, Any],
     has_m = cfg.beta1 is not None
     moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
     addresses = (param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(), state[COL_V].data_ptr())
-    numbers = (*_group_numbers(cfg, torch.float32), factor_sum_cap(rows * cols, torch.float32))
+    numbers = (*_fp32_group_numbers(cfg), factor_sum_cap(rows * cols, torch.float32))
     return grad, addresses, numbers, (has_m, cfg.zero_nonfinite)
+
+
+_LAST_NUMBERS: tuple[Optional[StepConfig], tuple[float, ...]] = (None, ())
+
+
+def _fp32_group_numbers(cfg: StepConfig) -> tuple[float, ...]:
+    """:func:`_group_numbers` in fp32, the last config's kept by identity: the params of a group share
+    one config at a step, and hashing it (eleven fields) cost more than the rest of the lookup."""
+    global _LAST_NUMBERS
+    last = _LAST_NUMBERS  # one read: another thread (the step inside backward) may replace it
+    if last[0] is cfg:
+        return last[1]
+    numbers = _group_numbers(cfg, torch.float32)
+    _LAST_NUMBERS = (cfg, numbers)
+    return numbers
 
 
 # Floats after each of a tensor's three sums in the blocks launch's scratch: laid end to end, |M|'s and V's
@@ -287,13 +302,13 @@ def steps_(items: Sequence[StepItem]) -> int:
     """The steps of many tensors: the small plain fp32 ones in one launch (:func:`many_kernel`), the
     mid-sized ones in another (:func:`many_blocks_kernel`), each also when alone; the rest one by one."""
     bad = 0
-    rows_of_addresses, sizes, rows_of_scalars, flags, alive, large = [], [], [], [], [], []
+    rows_of_addresses, sizes, rows_of_scalars, flags, alive, large, own = [], [], [], [], [], [], []
     for param, grad, state, cfg in items:
         if takes_blocks(param, state, cfg):
             large.append((param, grad, state, cfg))
             continue
         if not takes_many(param, state, cfg):
-            bad += own_launch(param, grad, state, cfg)
+            own.append((param, grad, state, cfg))
             continue
         grad, address, numbers, flag = _shared_row(param, grad, state, cfg)
         alive.append(grad)
@@ -310,4 +325,7 @@ def steps_(items: Sequence[StepItem]) -> int:
             many_kernel(np.array(rows_of_addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
                         np.array(rows_of_scalars, dtype=np.float32), np.array(flags, dtype=np.int64), bad_counts)
         bad += int(sum(count for count, (_, zero_bad) in zip(bad_counts.tolist(), flags) if zero_bad))
+    # Last: each streams its tensor through the caches, which the host work above would then find cold.
+    for param, grad, state, cfg in own:
+        bad += own_launch(param, grad, state, cfg)
     return bad
