@@ -155,6 +155,11 @@ VARIANTS: dict[str, tuple[str, Config]] = {
                                                    replace(PAPER, m_code="block-levels", block=128, level_bits=3,
                                                            rounding="stochastic", weight_decay_mode="adamw",
                                                            decay_rate=-0.8, beta1_growth=False)),
+    # γ = −1: V the plain mean of every G² so far (β2_t = 1 − 1/t), the longest memory the paper's range allows.
+    "levels3sr-128-decoupled-wd-g10": ("M: sign + 3-bit linear level (stochastic rounding) + bf16 max per 128, "
+                                       "decoupled weight decay, γ = −1",
+                                       replace(PAPER, m_code="block-levels", block=128, level_bits=3,
+                                               rounding="stochastic", weight_decay_mode="adamw", decay_rate=-1.0)),
     "levels3log-128-bc": ("M: 3-bit log level per 128, + bias correction",
                           replace(PAPER, m_code="block-levels", block=128, level_bits=3, levels="log",
                                   bias_correction=True)),
