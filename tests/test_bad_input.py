@@ -58,6 +58,38 @@ def test_shrunk_param_is_rejected(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", [{}, {"magnitude_bits": 1}, {"magnitude_bits": 3}, {"beta": None},
+                                     {"momentum_shape": "natural"}, {"vector_reshape": False}],
+                         ids=["sign", "flag", "levels", "no-m", "natural", "dense"])
+def test_state_tensor_reshaped_in_place_is_rejected(backend: str, options: dict) -> None:
+    # Every tensor of the state, its .data swapped for a longer one (the object, and so the keys, unchanged):
+    # refused before any update, whichever tensor it is.
+    params, opt = trained_smmf(backend, **options)
+    edited = params[1] if "vector_reshape" in options else params[0]
+    keys = [key for key in opt.state[edited] if key != "step"]
+    assert len(keys) >= 2
+    for key in keys:
+        tensor = opt.state[edited][key]
+        kept = tensor.data
+        tensor.data = torch.zeros(tensor.numel() + 8, dtype=tensor.dtype)
+        snapshot = snapshot_of(opt, params)
+        refusal = rf"SMMF state (made for another shape|'{key}' of shape \({tensor.numel()},\))"
+        with pytest.raises(RuntimeError, match=refusal):
+            opt.step()
+        assert_unchanged(opt, params, snapshot)
+        tensor.data = kept
+    opt.step()  # each put back: the state fits again
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_value_that_is_not_a_tensor_is_rejected(backend: str) -> None:
+    params, opt = trained_smmf(backend)
+    opt.state[params[0]]["row_v"] = [0.0] * 16
+    with pytest.raises(RuntimeError, match=r"SMMF state 'row_v' of list where it needs a tensor"):
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad_grad", ["dtype", "device_shape"])
 def test_grad_dtype_mismatch_is_rejected(backend: str, bad_grad: str) -> None:
     params, opt = trained_smmf(backend)

@@ -196,6 +196,9 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
     code = momentum_code(param, group) if code is None else code
     if not is_dtensor(param) and _fits_as_made(param, group, state, code):
         return  # every step of every param lands here: the checks below say what does not fit
+    for key, value in state.items():
+        if key != STEP and not isinstance(value, Tensor):
+            _refuse_edited(param, key, type(value).__name__, "a tensor")
     real = real_view(param)
     if state.keys() != _STATE_KEYS[code, group["beta"] is not None]:
         if STEP not in state:
@@ -205,7 +208,7 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
     if EXP_AVG_SQ in state:
         got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)
         if is_dtensor(state[EXP_AVG_SQ]) or got == need:
-            return
+            return _refuse_other_shapes(param, group, state, code)
     else:
         rows, cols = matrix_shape(param)
         got, need = (state[ROW_V].shape[0], state[COL_V].shape[0]), (rows, cols)
@@ -218,10 +221,29 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
                 _refuse_layout_change()  # M was laid out under the other momentum_shape
         if got == need and all(key not in state or is_dtensor(state[key])
                                or state[key].shape[0] == packed_sign_bytes(rows * cols) for key in (SIGN_M, FLAG_M)):
-            return
+            return _refuse_other_shapes(param, group, state, code)
     raise RuntimeError(
         f"a parameter of shape {tuple(param.shape)} has SMMF state made for another shape "
         f"(state {got}, this shape needs {need}): was its .data replaced? Build a new optimizer for it"
+    )
+
+
+def _refuse_other_shapes(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any],
+                         code: MomentumCode) -> None:
+    """After the checks above found the param's shape and options fitting: a plain param's state tensor
+    whose shape is still not the one :func:`init_state` made (edited in place, e.g. its ``.data``
+    replaced) is refused too; a DTensor param's state passes."""
+    if is_dtensor(param):
+        return
+    for key, shape in _live_shapes(param, group, code):
+        if state[key].shape != shape:
+            _refuse_edited(param, key, f"shape {tuple(state[key].shape)}", f"shape {tuple(shape)}")
+
+
+def _refuse_edited(param: Tensor, key: str, got: str, need: str) -> None:
+    raise RuntimeError(
+        f"a parameter of shape {tuple(param.shape)} has SMMF state '{key}' of {got} where it needs {need}: "
+        "was the optimizer's state edited? Build a new optimizer or load a checkpoint"
     )
 
 
