@@ -413,10 +413,11 @@ class SMMF(Optimizer):
 
         Like an in-place torch op, it bumps the version of every tensor it writes, so autograd
         refuses a graph that saved a weight before the step. A step that raises before its kernels
-        write (a bad gradient or state, a kernel that fails to compile or dispatch) leaves the
-        params, their state and its ``step`` count as they were. (A launch of many tensors that
-        failed part-way would have its counts restored too; no kernel is known to fail after
-        writing.)"""
+        write (a bad gradient or state, no kernel for a param) leaves the params, their state and
+        its ``step`` count as they were. One that raises after some launches wrote (numba compiling
+        a kernel for a new dtype or code at its first use, after the shared launches ran, and
+        failing; an interrupt) restores every count, while the tensors already written keep
+        their update."""
         if grads is not None and len(grads) != len(params):
             raise ValueError(f"step_params got {len(grads)} gradients for {len(params)} params")
         # Check everything before touching anything: a rejected step changes no param or state.

@@ -208,7 +208,7 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
     if EXP_AVG_SQ in state:
         got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)
         if is_dtensor(state[EXP_AVG_SQ]) or got == need:
-            return _refuse_other_shapes(param, group, state, code)
+            return _refuse_other_tensors(param, group, state, code)
     else:
         rows, cols = matrix_shape(param)
         got, need = (state[ROW_V].shape[0], state[COL_V].shape[0]), (rows, cols)
@@ -221,23 +221,25 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
                 _refuse_layout_change()  # M was laid out under the other momentum_shape
         if got == need and all(key not in state or is_dtensor(state[key])
                                or state[key].shape[0] == packed_sign_bytes(rows * cols) for key in (SIGN_M, FLAG_M)):
-            return _refuse_other_shapes(param, group, state, code)
+            return _refuse_other_tensors(param, group, state, code)
     raise RuntimeError(
         f"a parameter of shape {tuple(param.shape)} has SMMF state made for another shape "
         f"(state {got}, this shape needs {need}): was its .data replaced? Build a new optimizer for it"
     )
 
 
-def _refuse_other_shapes(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any],
+def _refuse_other_tensors(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any],
                          code: MomentumCode) -> None:
     """After the checks above found the param's shape and options fitting: a plain param's state tensor
-    whose shape is still not the one :func:`init_state` made (edited in place, e.g. its ``.data``
-    replaced) is refused too; a DTensor param's state passes."""
+    whose shape or dtype is still not the one :func:`init_state` made (edited in place, e.g. its
+    ``.data`` replaced: the kernels write through its address) is refused too; a DTensor param's
+    state passes."""
     if is_dtensor(param):
         return
-    for key, shape in _live_shapes(param, group, code):
-        if state[key].shape != shape:
-            _refuse_edited(param, key, f"shape {tuple(state[key].shape)}", f"shape {tuple(shape)}")
+    for key, shape, dtype in _live_layout(param, group, code):
+        tensor = state[key]
+        if tensor.shape != shape or tensor.dtype != dtype:
+            _refuse_edited(param, key, f"shape {tuple(tensor.shape)} ({tensor.dtype})", f"{tuple(shape)} ({dtype})")
 
 
 def _refuse_edited(param: Tensor, key: str, got: str, need: str) -> None:
@@ -247,34 +249,38 @@ def _refuse_edited(param: Tensor, key: str, got: str, need: str) -> None:
     )
 
 
-# The shape of each state tensor of a plain (not DTensor) param, by what decides them (:func:`state_layout`).
-_LIVE_SHAPES: dict[tuple[Any, ...], tuple[tuple[str, torch.Size], ...]] = {}
+# The shape and dtype of each state tensor of a plain (not DTensor) param, by what decides them
+# (:func:`state_layout`).
+_LIVE_LAYOUTS: dict[tuple[Any, ...], tuple[tuple[str, torch.Size, torch.dtype], ...]] = {}
 
 
 def _fits_as_made(param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any], code: MomentumCode) -> bool:
-    """Whether a plain ``param``'s ``state`` has ``step`` and exactly the tensors, of the shapes, that
-    :func:`init_state` makes for it now (``code``: its :func:`momentum_code` under ``group``)."""
-    shapes = _live_shapes(param, group, code)
-    if len(state) != len(shapes) + 1 or STEP not in state:
+    """Whether a plain ``param``'s ``state`` has ``step`` and exactly the tensors, of the shapes and
+    dtypes, that :func:`init_state` makes for it now (``code``: its :func:`momentum_code` under ``group``)."""
+    layout = _live_layout(param, group, code)
+    if len(state) != len(layout) + 1 or STEP not in state:
         return False
-    for key, shape in shapes:
+    for key, shape, dtype in layout:
         tensor = state.get(key)
-        if not isinstance(tensor, Tensor) or tensor.shape != shape:
+        if not isinstance(tensor, Tensor) or tensor.shape != shape or tensor.dtype != dtype:
             return False
     return True
 
 
-def _live_shapes(param: Tensor, group: Mapping[str, Any], code: MomentumCode) -> tuple[tuple[str, torch.Size], ...]:
-    """:func:`state_layout`'s shapes for a plain ``param`` whose state is of ``code``, made once per
-    shape, dtype and option that decides them."""
+def _live_layout(param: Tensor, group: Mapping[str, Any],
+                 code: MomentumCode) -> tuple[tuple[str, torch.Size, torch.dtype], ...]:
+    """:func:`state_layout` for a plain ``param`` whose state is of ``code``, as (key, shape, dtype), made
+    once per shape, dtype and option that decides it."""
     key = (param.shape, param.dtype, code, group["beta"] is not None, momentum_option(group, "momentum_shape"))
-    shapes = _LIVE_SHAPES.get(key)
-    if shapes is None:
-        if len(_LIVE_SHAPES) >= 4096:  # a process that makes model after model
-            _LIVE_SHAPES.clear()
-        shapes = _LIVE_SHAPES[key] = tuple((name, torch.Size(spec.shape))
-                                           for name, spec in state_layout(param, group).items())
-    return shapes
+    layout = _LIVE_LAYOUTS.get(key)
+    if layout is None:
+        if momentum_code(param, group) is not code:  # the layout below is the group's code's: never file it wrongly
+            raise ValueError(f"code {code} is not the momentum code of this param under its group")
+        if len(_LIVE_LAYOUTS) >= 4096:  # a process that makes model after model
+            _LIVE_LAYOUTS.clear()
+        layout = _LIVE_LAYOUTS[key] = tuple((name, torch.Size(spec.shape), spec.dtype)
+                                            for name, spec in state_layout(param, group).items())
+    return layout
 
 
 def _refuse_layout_change() -> None:

@@ -223,7 +223,8 @@ _LAST_NUMBERS: tuple[Optional[StepConfig], tuple[float, ...]] = (None, ())
 
 def _fp32_group_numbers(cfg: StepConfig) -> tuple[float, ...]:
     """:func:`_group_numbers` in fp32, the last config's kept by identity: the params of a group share
-    one config at a step, and hashing it (eleven fields) cost more than the rest of the lookup."""
+    one config at a step, and hashing it (eleven fields) cost more than the rest of the lookup. (The
+    step inside backward makes a config per call: it misses and takes the lru cache.)"""
     global _LAST_NUMBERS
     last = _LAST_NUMBERS  # one read: another thread (the step inside backward) may replace it
     if last[0] is cfg:
