@@ -236,10 +236,11 @@ def _refuse_other_tensors(param: Tensor, group: Mapping[str, Any], state: Mappin
     state passes."""
     if is_dtensor(param):
         return
-    for key, shape, dtype in _live_layout(param, group, code):
+    misfit = _misfit(state, _live_layout(param, group, code))
+    if misfit is not None:
+        key, shape, dtype = misfit
         tensor = state[key]
-        if tensor.shape != shape or tensor.dtype != dtype:
-            _refuse_edited(param, key, f"shape {tuple(tensor.shape)} ({tensor.dtype})", f"{tuple(shape)} ({dtype})")
+        _refuse_edited(param, key, f"shape {tuple(tensor.shape)} ({tensor.dtype})", f"{tuple(shape)} ({dtype})")
 
 
 def _refuse_edited(param: Tensor, key: str, got: str, need: str) -> None:
@@ -258,13 +259,18 @@ def _fits_as_made(param: Tensor, group: Mapping[str, Any], state: Mapping[str, A
     """Whether a plain ``param``'s ``state`` has ``step`` and exactly the tensors, of the shapes and
     dtypes, that :func:`init_state` makes for it now (``code``: its :func:`momentum_code` under ``group``)."""
     layout = _live_layout(param, group, code)
-    if len(state) != len(layout) + 1 or STEP not in state:
-        return False
-    for key, shape, dtype in layout:
+    return len(state) == len(layout) + 1 and STEP in state and _misfit(state, layout) is None
+
+
+def _misfit(state: Mapping[str, Any],
+            layout: tuple[tuple[str, torch.Size, torch.dtype], ...]) -> Optional[tuple[str, torch.Size, torch.dtype]]:
+    """The first entry of ``layout`` whose tensor ``state`` lacks or holds with another shape or dtype."""
+    for entry in layout:
+        key, shape, dtype = entry
         tensor = state.get(key)
         if not isinstance(tensor, Tensor) or tensor.shape != shape or tensor.dtype != dtype:
-            return False
-    return True
+            return entry
+    return None
 
 
 def _live_layout(param: Tensor, group: Mapping[str, Any],
