@@ -115,6 +115,28 @@ def step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict, cfg, c
     return torch.cat(pieces)
 
 
+def levels_step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict, cfg, row_cuts: list[int]) -> Tensor:
+    """One step of a param under the levels code taken as FSDP2 ``Shard(0)`` shards take it, in one process:
+    each piece of whole rows ``row_cuts[i] .. row_cuts[i + 1]`` of the param goes through ``shard_step``
+    with its own copy of V's factors and its own rows' codes and scales; V's raw sums are added up and
+    normalized as the all-reduce does. Updates ``state`` in place; returns the new weight, flat."""
+    from smmf.functional import store_factors_
+
+    cols = weight[0].numel()
+    pieces, locals_ = [], []
+    for r0, r1 in zip(row_cuts[:-1], row_cuts[1:]):
+        local = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+        local["codes_m"], local["scales_m"] = state["codes_m"][r0:r1].clone(), state["scales_m"][r0:r1].clone()
+        piece = weight.reshape(-1)[r0 * cols : r1 * cols].clone()
+        shard_step(piece, grad.reshape(-1)[r0 * cols : r1 * cols].clone(), local, cfg, r0 * cols)
+        pieces.append(piece)
+        locals_.append(local)
+    store_factors_(state, "row_v", "col_v", sum(x["row_v"] for x in locals_), sum(x["col_v"] for x in locals_))
+    for key in ("codes_m", "scales_m"):
+        state[key] = torch.cat([x[key] for x in locals_])
+    return torch.cat(pieces)
+
+
 def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, momentum_shape: str = "square") -> None:
     """:func:`step_in_pieces` equals the torch path's step of the whole matrix, over 3 steps from
     identical inputs: matrices whose width is a multiple of 8 and not, cut at a sign byte, mid-byte

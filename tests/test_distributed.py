@@ -70,7 +70,8 @@ def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_pa
     """The levels code (``magnitude_bits=3``) was refused for DTensor params. A param of 2 or more dims is
     coded by its rows, so a Shard(0) shard codes its own rows; a vector is one row that FSDP2 cuts anywhere,
     stepped whole from the gathered gradient. Either way: one device's result. Rounded stochastically, a
-    shard's elements draw by their index in the whole param, as on one device."""
+    shard's elements draw by their index in the whole param, as on one device. With numba the rows' shards
+    take its fused pass, their V sums in one all-reduce for the step (it was one per param)."""
     _spawn(dist_workers.fsdp2_worker, tmp_path, options)
     result = torch.load(tmp_path / "fsdp2.pt")
     single = dist_workers.single_process_params(**options)
@@ -80,6 +81,9 @@ def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_pa
         assert not torch.equal(ps, p0.detach())  # it trained
         torch.testing.assert_close(straight, ps, rtol=0, atol=1e-12)
         assert torch.equal(straight, resumed)  # DCP round trip continues exactly
+    if "numba" in available_backends():
+        assert result["paths"] == ["sharded numba"]
+        assert result["all_reduces"] == 1  # the vectors' gathers are all-gathers
 
 
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),

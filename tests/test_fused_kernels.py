@@ -365,6 +365,40 @@ def test_numba_shard_passes_add_up_to_the_whole_step(dtype: torch.dtype, momentu
     pieces_match_whole(numba_shard_step_, "cpu", dtype, 1e-12 if dtype == torch.float64 else 1e-5, momentum_shape)
 
 
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+@pytest.mark.parametrize("dither", [False, True], ids=["nearest", "stochastic"])
+def test_numba_levels_shard_passes_add_up_to_the_whole_step(dither: bool) -> None:
+    """The levels code's FSDP2 shard pass on pieces of whole rows of a param (V's view cut mid-row, an
+    empty piece, rows whose blocks of 128 end short), V's sums added up across pieces, equals the torch
+    path's step of the whole param: fp64 at 1e-12 over 3 steps, each piece's codes and scales those of its
+    rows. Dithered, a piece's elements draw by their index in the whole param."""
+    from helpers import levels_step_in_pieces
+    from smmf.functional import StepConfig
+    from smmf.kernels.numba_cpu import numba_shard_step_
+    from smmf.state import init_state
+
+    gen = torch.Generator().manual_seed(11)
+    for shape in [(48, 64), (31, 9), (257, 33), (40, 600), (12, 5, 7)]:
+        p = torch.randn(shape, generator=gen, dtype=torch.float64)
+        state = init_state(p, {"beta": 0.9, "vector_reshape": True, "magnitude_bits": 3})
+        rows = shape[0]
+        cuts = [0, rows // 3, rows // 3, rows // 2 + 1, rows]  # rows of the param; an empty piece
+        for step in range(1, 4):
+            cfg = StepConfig(lr=1e-2, beta1=0.9 * 0.999 ** (step - 1), beta2=0.9, eps=1e-8, weight_decay=0.1,
+                             decoupled_weight_decay=step != 2, maximize=step == 3, stochastic_rounding=False,
+                             code=MomentumCode.LEVELS, levels_salt=1000 * step + 7 if dither else None)
+            g = torch.randn(shape, generator=gen, dtype=torch.float64)
+            whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            torch_step_(whole, g, whole_state, cfg)
+            flat = levels_step_in_pieces(numba_shard_step_, p, g, state, cfg, cuts)
+            torch.testing.assert_close(flat, whole.reshape(-1), rtol=0, atol=1e-12)
+            for key in ("row_v", "col_v"):
+                torch.testing.assert_close(state[key], whole_state[key], rtol=1e-12, atol=1e-12)
+            for key in ("codes_m", "scales_m"):
+                assert torch.equal(state[key], whole_state[key]), key
+            p, state = whole, whole_state  # go on from identical inputs
+
+
 def _threads_as_ranks(pieces: int):
     """An all-reduce among ``pieces`` threads, each standing in for a rank: ``reduce_for(i)`` is
     piece i's :data:`smmf.distributed.Reducer`."""

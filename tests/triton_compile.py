@@ -31,9 +31,9 @@ TILES = dict(BR=table.BLOCK_ROWS, BC=table.BLOCK_COLS, BAND=table.BAND_ROWS)
 # The levels code's kernels take the tensors themselves: the weight and gradient pointers carry the dtype.
 _LEVELS_SCALARS = dict(beta2="fp32", rest2="fp32", gsign="fp32", shrink="fp32", l2="fp32")
 LEVELS_V_SUMS_ARGS = dict(row_v_ptr="*fp32", col_v_ptr="*fp32", row_part_ptr="*fp32", col_part_ptr="*fp32", n="i32",
-                          m="i32", cap="fp32", **_LEVELS_SCALARS)
+                          m="i32", lo="i32", hi="i32", cap="fp32", **_LEVELS_SCALARS)
 LEVELS_STEP_ARGS = dict(codes_ptr="*u8", scales_ptr="*bf16", row_v_ptr="*fp32", col_v_ptr="*fp32", bad_ptr="*i32",
-                        cols="i32", m="i32", blocks_per_row="i32", blocks="i32", lr="fp32", beta1="fp32", rest1="fp32",
+                        cols="i32", m="i32", lo="i32", blocks_per_row="i32", blocks="i32", lr="fp32", beta1="fp32", rest1="fp32",
                         eps="fp32", seed="i32", salt="i64", **_LEVELS_SCALARS)
 # Options a kernel is launched with beyond its warps.
 LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS,

@@ -329,6 +329,38 @@ def run_huge_flag(device: str) -> None:
     print(f"{device} flag with huge gradients: finite, OK")
 
 
+def run_levels_shards(device: str) -> None:
+    """FSDP2 shards under the levels code on the Triton kernels: pieces of whole rows of a param (V's view
+    cut mid-row, an empty piece), their raw V sums added up, equal the kernels' step of the whole param:
+    weights, codes and scales bit for bit (both read the old factors), V's factors up to summation order;
+    dithered, a piece draws by its elements' index in the whole param."""
+    from helpers import levels_step_in_pieces
+    from smmf.kernels.triton_gpu import triton_shard_step_
+
+    gen = torch.Generator().manual_seed(8)
+    for shape in [(48, 64), (31, 9), (257, 33), (40, 600)]:
+        for dither in (False, True):
+            p = torch.randn(shape, generator=gen).to(device)
+            state = init_state(p, {"beta": 0.9, "vector_reshape": True, "magnitude_bits": 3})
+            rows = shape[0]
+            cuts = [0, rows // 3, rows // 3, rows // 2 + 1, rows]
+            for step in range(1, 3):
+                cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                                 decoupled_weight_decay=step == 1, maximize=False, stochastic_rounding=False,
+                                 code=MomentumCode.LEVELS, levels_salt=step_salt(step) if dither else None)
+                g = torch.randn(shape, generator=gen).to(device)
+                whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                triton_step_(whole, g, whole_state, cfg)
+                flat = levels_step_in_pieces(triton_shard_step_, p, g, state, cfg, cuts)
+                assert torch.equal(flat, whole.reshape(-1)), (shape, dither, step)
+                for key in ("codes_m", "scales_m"):
+                    assert torch.equal(state[key], whole_state[key]), (shape, key)
+                for key in ("row_v", "col_v"):
+                    torch.testing.assert_close(state[key], whole_state[key], rtol=1e-6, atol=1e-6)
+                p, state = whole, whole_state  # go on from identical inputs
+    print(f"{device} levels code, shard passes: OK")
+
+
 def _name(check) -> str:
     if isinstance(check, partial):
         return f"{check.func.__name__}{check.args}"
@@ -341,7 +373,8 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     checks = [partial(run_levels, device, dtype)
               for dtype in [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])]
-    checks += [partial(run_levels_stochastic, device), partial(run_huge_flag, device), partial(run_flag_shards, device),
+    checks += [partial(run_levels_stochastic, device), partial(run_levels_shards, device),
+               partial(run_huge_flag, device), partial(run_flag_shards, device),
                partial(run_shards, device), partial(run_batched, device)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:

@@ -10,9 +10,10 @@ a second), so the factors, and therefore the update, are the single-device ones.
 in place and only the sums go through torch: for all the parameters of a step at once
 (:func:`fused_sharded_steps_`), one all-reduce per process group (the magnitude flag's two passes:
 two). The levels code (``magnitude_bits=3``) codes M by rows of the param, so a shard of a param with
-two or more dims codes its own rows and only V's sums cross ranks; a vector is one row that FSDP2 cuts
-anywhere (inside a block, inside a code byte), so its code is replicated and each rank steps the whole
-vector from the gathered gradient, keeping its own elements. Both on the torch path. Placement and checkpoint layout: :mod:`smmf.sharding`.
+two or more dims codes its own rows and only V's sums cross ranks (on a fused backend, in the step's one
+all-reduce); a vector is one row that FSDP2 cuts anywhere (inside a block, inside a code byte), so its
+code is replicated and each rank steps the whole vector from the gathered gradient on the torch path,
+keeping its own elements. Placement and checkpoint layout: :mod:`smmf.sharding`.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
         weight, local_grad = local(param), local(grad)
         if cfg.code is MomentumCode.DENSE:  # elementwise: the torch path
             found.append(torch_step_(weight, local_grad, local_state, cfg))
-        elif cfg.code is MomentumCode.LEVELS and info.sharded:  # no fused shard pass for this code yet
+        elif cfg.code is MomentumCode.LEVELS and info.sharded and param.dim() < 2:  # a vector: gathered
             found.append(_local_step_(param, info, weight, local_grad, local_state, cfg))
         elif not info.sharded:  # every rank holds it all
             whole.append((weight, local_grad, local_state, cfg))
@@ -242,7 +243,7 @@ def _shard_steps(backend: Backend, shards: Sequence[_Shard]) -> list[Nonfinite]:
         else:
             found.append(backend.shard_step_(shard.work, shard.grad, state, cfg, shard.start))
             shard.write_back()
-            keys = [ROW_V, COL_V] + ([ROW_M, COL_M] if cfg.beta1 is not None else [])
+            keys = [ROW_V, COL_V] + ([ROW_M, COL_M] if cfg.code is MomentumCode.SIGN else [])
             first.append((shard, [state[key] for key in keys]))
     second: list[tuple[_Shard, list[Tensor]]] = []
     for (shard, _), sums in zip(first, _reduce_together(first)):

@@ -75,7 +75,9 @@ class Backend(Protocol):
         ``start ..`` of the parameter's row-major flattening, ``state`` is the rank-local state (whole
         factor vectors, this shard's bits). Updates the weight and sign bits; leaves this shard's raw
         row and column sums in the four factor vectors (0 for rows it lacks), for the caller to add
-        up across shards and normalize (:func:`smmf.functional.store_factors_`). Codes SIGN and NONE."""
+        up across shards and normalize (:func:`smmf.functional.store_factors_`). Codes SIGN and NONE,
+        and LEVELS for a param of two or more dims (the shard holds whole rows of M's code, ``state``'s
+        codes and scales are its own, and only V's sums are left raw)."""
 
     def flag_shard_pass_(self, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
                          flag_pass: FlagPass) -> Nonfinite:

@@ -22,9 +22,9 @@ from typing import Any
 from torch import Tensor
 
 from ...functional import StepConfig
-from ...state import COL_V, ROW_V
+from ...state import COL_V, ROW_V, MomentumCode
 from ..contract import FlagPass
-from .host import launch, steps_
+from .host import launch, launch_levels, steps_
 
 __all__ = ["BACKEND", "numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_",
            "updating_flag_pass"]
@@ -40,6 +40,8 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
 def numba_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int) -> int:
     """The fused pass over an FSDP2 shard (:meth:`smmf.kernels.Backend.shard_step_`). Returns the
     NaN/inf gradient elements met."""
+    if cfg.code is MomentumCode.LEVELS:
+        return launch_levels(weight, grad, state, cfg, start, whole=False)
     rows, cols = state[ROW_V].numel(), state[COL_V].numel()
     return launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel())
 

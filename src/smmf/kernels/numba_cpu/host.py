@@ -137,19 +137,23 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     return sum(scratch.bad_counts.tolist()) if cfg.zero_nonfinite else 0
 
 
-def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
-    """The step of a whole tensor (``weight`` contiguous) under the levels code (``magnitude_bits=3``)."""
+def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, lo: int = 0,
+                  whole: bool = True) -> int:
+    """The step of a tensor (``weight`` contiguous) under the levels code (``magnitude_bits=3``): a whole
+    one, or an FSDP2 shard's own rows of M, elements ``lo ..`` of the param, leaving V's raw sums
+    (``whole`` False)."""
     grad = grad.to(weight.dtype).contiguous()
     n, m = state[ROW_V].numel(), state[COL_V].numel()
-    rows, cols = levels_rows_cols(state[CODES_M], real_view(weight).numel())
-    parallel = n * m >= PARALLEL_MIN_NUMEL
-    rows_per_block = max(1, -(-rows // (4 * numba.get_num_threads()))) if parallel else rows
+    numel = real_view(weight).numel()
+    rows, cols = levels_rows_cols(state[CODES_M], numel)
+    parallel = numel >= PARALLEL_MIN_NUMEL
+    rows_per_block = max(1, -(-rows // (4 * numba.get_num_threads()))) if parallel else max(rows, 1)
     blocks = -(-rows // rows_per_block)
     dtype = state[ROW_V].dtype
     scalar = _work_scalar(dtype)
-    geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, rows_per_block=rows_per_block,
+    geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, lo=lo, rows_per_block=rows_per_block,
                          dither=cfg.levels_salt is not None, salt=cfg.levels_salt or 0)
-    opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=True)
+    opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole)
     sc = scalars(cfg, n * m, dtype)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     args = (_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(), state[SCALES_M].view(torch.int16).numpy(),

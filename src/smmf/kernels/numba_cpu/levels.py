@@ -212,9 +212,12 @@ def _codes_of(cbuf, scale, table, mbuf, start, geo):
 
 @numba.njit(inline="always", **_PASS)
 def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v, bad_counts, geo, opts, sc):
-    """One step of a whole tensor under the levels code, in place. ``w``, ``g``: flat, work dtype or the
-    int16 bits of bf16; ``codes``: uint8 (rows, ⌈cols/2⌉); ``scales``: the int16 bits of the bf16 scales
-    (rows, ⌈cols/128⌉); ``table``: :func:`level_table`; ``row_v``/``col_v``: V's factors; per block of M rows: ``col_acc_v`` (blocks × m),
+    """One step under the levels code, in place: of a whole tensor, or (``opts.whole`` False) of an FSDP2
+    shard's own rows of M, elements ``geo.lo ..`` of the param, leaving V's factor vectors holding this
+    shard's raw row and column sums (0 for the rows it lacks) for the caller to add up across shards; M's
+    code is the shard's own. ``w``, ``g``: flat, work dtype or the int16 bits of bf16; ``codes``: uint8
+    (rows, ⌈cols/2⌉); ``scales``: the int16 bits of the bf16 scales (rows, ⌈cols/128⌉); ``table``:
+    :func:`level_table`; ``row_v``/``col_v``: V's factors; per block of M rows: ``col_acc_v`` (blocks × m),
     ``row_acc_v`` (blocks × :func:`touched_v_rows`) and ``bad_counts``. Sums run in a fixed order for a
     given block layout (it depends on the thread count only)."""
     cols = geo.cols
@@ -224,7 +227,7 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
         acc_v, vsums = col_acc_v[b], row_acc_v[b]
         acc_v[:] = 0
         vsums[:] = 0
-        v_row0 = (first * cols) // geo.m
+        v_row0 = (geo.lo + first * cols) // geo.m
         mbuf = np.empty(BLOCK, dtype=col_v.dtype)
         wbuf = np.empty(BLOCK, dtype=np.uint32)
         gbuf = np.empty(BLOCK, dtype=np.uint32)
@@ -239,23 +242,23 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
                 unpack_codes(codes[r], c0, width, lbuf, one)
                 top, all_finite = _block_step(
                     wseg, gseg, lbuf, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v,
-                    vsums, v_row0, start, mbuf[:width], sc, opts.zero_bad)
+                    vsums, v_row0, geo.lo + start, mbuf[:width], sc, opts.zero_bad)
                 if not all_finite:
                     bad += count_bad(gseg, sc.big)
                 stored = scale_bits(top)
                 scales[r, c0 // BLOCK] = stored
-                _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width], start, geo)
+                _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width], geo.lo + start, geo)
                 pack_codes(codes[r], c0, width, cbuf)
                 store(w, start, wseg, opts.sr)
         bad_counts[b] = bad
-    # V's new factors from the blocks' sums (the old ones were read until here).
+    # V's new factors from the blocks' sums (the old ones were read until here); a shard's raw sums.
     row_v[:] = 0
     for b in range(bad_counts.shape[0]):
-        v_row0 = (b * geo.rows_per_block * cols) // geo.m
+        v_row0 = (geo.lo + b * geo.rows_per_block * cols) // geo.m
         for k in range(row_acc_v.shape[1]):
             if v_row0 + k < geo.n:
                 row_v[v_row0 + k] += row_acc_v[b, k]
-    _finish_cols(row_v, col_v, col_acc_v, True)
+    _finish_cols(row_v, col_v, col_acc_v, opts.whole)
 
 
 # Arrays, then LevelsGeometry, Options, Scalars.

@@ -46,12 +46,14 @@ class Geometry(NamedTuple):
 
 class LevelsGeometry(NamedTuple):
     """The levels code's step (``magnitude_bits=3``): V's n×m view, M's ``rows`` × ``cols`` one (rows of the
-    param), blocks of ``rows_per_block`` of M's rows, one per thread at a time, and how levels round."""
+    param; an FSDP2 shard's own rows, from element ``lo`` of the flattening on), blocks of ``rows_per_block``
+    of M's rows, one per thread at a time, and how levels round."""
 
     n: int
     m: int
     rows: int
     cols: int
+    lo: int  # the arrays' first element in the param's row-major flattening: 0, or a shard's start
     rows_per_block: int
     dither: bool  # stochastic rounding of the levels (smmf.levels.dither); else the nearest level
     salt: int  # the dither's salt at this step

@@ -88,8 +88,12 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     the rank-local state (whole factor vectors, this shard's sign bits). Updates the weight and
     sign bits; leaves this shard's raw row and column sums in the four factor vectors (0 for rows
     it lacks), for the caller to add up across shards and normalize. The paper's code and the natural
-    shape (the magnitude flag: :func:`triton_flag_shard_pass_`). Returns what :func:`triton_steps_`
-    returns."""
+    shape (the magnitude flag: :func:`triton_flag_shard_pass_`), and the levels code's shard of whole rows
+    of M (:func:`.levels.launch_levels`). Returns what :func:`triton_steps_` returns."""
+    if cfg.code is MomentumCode.LEVELS:  # the shard's own rows of M: its own code, V's raw sums
+        bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
+        launch_levels(weight, grad.to(weight.dtype).contiguous(), state, cfg, bad, start, whole=False)
+        return bad if cfg.zero_nonfinite else None
     return _shard_launch(weight, grad, state, cfg, start, None)
 
 

@@ -84,12 +84,13 @@ def second_moment(rv, cv, g, beta2, rest2):
 
 
 @triton.jit
-def v_sums_kernel(w_ptr, g_ptr, row_v_ptr, col_v_ptr, row_part_ptr, col_part_ptr, n, m, beta2, rest2, gsign, shrink,
-                  l2, cap, ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
-    """Program band · tiles + tile of V's n×m view (a 1-D grid: a prime n·m has n / BAND bands): this
-    step's V, each element capped at ``cap`` (:func:`smmf.matrix.factor_sum_cap`; NaN stays NaN, as torch's
-    clamp), summed per row of each BR × BC tile into ``row_part[tile, row]`` and per column over the band
-    into ``col_part[band, col]``."""
+def v_sums_kernel(w_ptr, g_ptr, row_v_ptr, col_v_ptr, row_part_ptr, col_part_ptr, n, m, lo, hi, beta2, rest2, gsign,
+                  shrink, l2, cap, ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
+    """Program band · tiles + tile of the rows of V's n×m view that hold the elements ``lo .. hi`` of the
+    flattening (all of it, or an FSDP2 shard's; ``w``/``g`` hold those, from ``lo``; a 1-D grid: a prime
+    n·m has n / BAND bands): this step's V, each element capped at ``cap``
+    (:func:`smmf.matrix.factor_sum_cap`; NaN stays NaN, as torch's clamp), summed per row of each BR × BC
+    tile into ``row_part[tile, row]`` and per column over the band into ``col_part[band, col]``."""
     tiles = tl.cdiv(m, BC)
     band = tl.program_id(0) // tiles
     tile = tl.program_id(0) % tiles
@@ -97,15 +98,15 @@ def v_sums_kernel(w_ptr, g_ptr, row_v_ptr, col_v_ptr, row_part_ptr, col_part_ptr
     col_ok = cols < m
     cv = tl.load(col_v_ptr + cols, mask=col_ok, other=0.0)[None, :]
     acc = tl.zeros((BR, BC), dtype=tl.float32)
-    first_row = band * BAND
-    last_row = tl.minimum(first_row + BAND, n)
+    first_row = lo // m + band * BAND
+    last_row = tl.minimum(first_row + BAND, tl.cdiv(hi, m))
     for r0 in range(first_row, last_row, BR):
         rows = r0 + tl.arange(0, BR)
         row_ok = rows < last_row
-        ok = row_ok[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * m + cols[None, :]
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0)
-        g = tl.load(g_ptr + offs, mask=ok, other=0.0)
+        ok = row_ok[:, None] & col_ok[None, :] & (offs >= lo) & (offs < hi)
+        w = tl.load(w_ptr + (offs - lo), mask=ok, other=0.0)
+        g = tl.load(g_ptr + (offs - lo), mask=ok, other=0.0)
         _, g, _ = prepared_gradient(w, g, gsign, shrink, l2, ZERO_BAD)
         rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)[:, None]
         v = second_moment(rv, cv, g, beta2, rest2)
@@ -150,14 +151,15 @@ def encoded_momentum(m, scale, offset):
 
 
 @triton.jit(do_not_specialize=["salt"])  # a new value each step: one compile, not one per value class
-def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr, bad_ptr, cols, m, blocks_per_row,
-                       blocks, lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, seed, salt,
+def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr, bad_ptr, cols, m, lo,
+                       blocks_per_row, blocks, lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, seed, salt,
                        ZERO_BAD: tl.constexpr, STOCHASTIC: tl.constexpr, DITHER: tl.constexpr, BLOCKS: tl.constexpr):
     """BLOCKS consecutive blocks of M (of ``blocks``; ``blocks_per_row`` per row of ``cols`` elements),
     one per row of a (BLOCKS, 64, 2) tile whose last axis is the two codes of a byte (even column, low
-    nibble). Element e of the flattening sits at (e // m, e % m) of V's view, whose old factors it reads.
-    Writes the codes, the scales and the weights; adds the NaN/inf gradient elements to ``bad`` under
-    ``ZERO_BAD`` (the torch path counts them only then)."""
+    nibble). The arrays hold the param from element ``lo`` of its flattening (0, or an FSDP2 shard's first
+    row): element e sits at ((lo + e) // m, (lo + e) % m) of V's view, whose old factors it reads, and
+    draws its dither by lo + e. Writes the codes, the scales and the weights; adds the NaN/inf gradient
+    elements to ``bad`` under ``ZERO_BAD`` (the torch path counts them only then)."""
     block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     block_ok = block < blocks
     row = (block // blocks_per_row).to(tl.int64)[:, None]
@@ -172,9 +174,9 @@ def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr
     w = tl.load(w_ptr + element, mask=ok, other=0.0)
     g = tl.load(g_ptr + element, mask=ok, other=0.0)
     w, g, finite = prepared_gradient(w, g, gsign, shrink, l2, ZERO_BAD)
-    v_row = element // m
+    v_row = (lo + element) // m
     v = second_moment(tl.load(row_v_ptr + v_row, mask=ok, other=0.0),
-                      tl.load(col_v_ptr + (element - v_row * m), mask=ok, other=0.0), g, beta2, rest2)
+                      tl.load(col_v_ptr + (lo + element - v_row * m), mask=ok, other=0.0), g, beta2, rest2)
 
     old_scale = tl.load(scales_ptr + block, mask=block_ok, other=0.0).to(tl.float32)[:, None, None]
     old_codes = (tl.load(codes_ptr + byte, mask=byte_ok, other=0)[:, :, None] >> (half * 4).to(tl.uint8)) & 15
@@ -186,7 +188,7 @@ def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr
     scale = bf16_rounded(top, 0, 0, False)
     tl.store(scales_ptr + block, scale.to(scales_ptr.dtype.element_ty), mask=block_ok)
     if DITHER:  # the levels rounded stochastically
-        codes = encoded_momentum(mm, scale[:, None, None], dither(salt, element))
+        codes = encoded_momentum(mm, scale[:, None, None], dither(salt, lo + element))
     else:
         codes = encoded_momentum(mm, scale[:, None, None], 0.5)
     tl.store(codes_ptr + byte, tl.sum(codes << (half * 4), axis=2).to(tl.uint8), mask=byte_ok)
@@ -201,42 +203,57 @@ def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr
         tl.atomic_add(bad_ptr, bad, mask=bad > 0)
 
 
-def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, bad: Tensor) -> None:
+def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, bad: Tensor, lo: int = 0,
+                  whole: bool = True) -> None:
     """One tensor's step under the levels code, in place: ``weight`` the param's real view, contiguous
     (fp32, bf16 or fp16), ``grad`` contiguous in its dtype; M's rows are ``weight``'s
-    (:func:`smmf.levels.levels_rows_cols`). Adds the NaN/inf gradient elements met to the int32 counter
-    ``bad`` when ``cfg.zero_nonfinite``. No host sync."""
+    (:func:`smmf.levels.levels_rows_cols`). Or an FSDP2 shard's (``whole`` False): its own rows of M, from
+    element ``lo`` of the param, leaving this shard's raw V sums in the factor vectors (0 for the rows it
+    lacks) for the caller to add up across shards. Adds the NaN/inf gradient elements met to the int32
+    counter ``bad`` when ``cfg.zero_nonfinite``. No host sync."""
     m = state[COL_V].numel()
     rows, cols = levels_rows_cols(state[CODES_M], weight.numel())
     blocks_per_row = scales_shape(rows, cols)[1]
     gsign, shrink, l2 = cfg.folded()
-    row_part, col_part = _v_sums(weight, grad, state, cfg)
+    row_part, col_part = _v_sums(weight, grad, state, cfg, lo)
     stochastic = cfg.stochastic_rounding and weight.dtype == torch.bfloat16
     blocks = rows * blocks_per_row
     assert cfg.beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
-    levels_step_kernel[(triton.cdiv(blocks, BLOCKS_PER_PROGRAM),)](
-        weight, grad, state[CODES_M], state[SCALES_M], state[ROW_V], state[COL_V], bad, cols, m, blocks_per_row,
-        blocks, cfg.lr, cfg.beta1, 1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2,
-        int(torch.randint(0, 2**30, ()).item()) if stochastic else 0, cfg.levels_salt or 0,
-        ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=stochastic, DITHER=cfg.levels_salt is not None,
-        BLOCKS=BLOCKS_PER_PROGRAM, num_warps=STEP_WARPS,
-        **LAUNCH_OPTIONS,
-    )
+    if blocks:
+        levels_step_kernel[(triton.cdiv(blocks, BLOCKS_PER_PROGRAM),)](
+            weight, grad, state[CODES_M], state[SCALES_M], state[ROW_V], state[COL_V], bad, cols, m, lo,
+            blocks_per_row, blocks, cfg.lr, cfg.beta1, 1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign,
+            shrink, l2, int(torch.randint(0, 2**30, ()).item()) if stochastic else 0, cfg.levels_salt or 0,
+            ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=stochastic, DITHER=cfg.levels_salt is not None,
+            BLOCKS=BLOCKS_PER_PROGRAM, num_warps=STEP_WARPS,
+            **LAUNCH_OPTIONS,
+        )
     # The old factors were read until here.
-    store_factors_(state, ROW_V, COL_V, row_part.sum(dim=0), col_part.sum(dim=0))
+    row_sums, col_sums = row_part.sum(dim=0), col_part.sum(dim=0)
+    if whole:
+        store_factors_(state, ROW_V, COL_V, row_sums, col_sums)
+    else:
+        state[ROW_V].copy_(row_sums)
+        state[COL_V].copy_(col_sums)
 
 
-def _v_sums(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> tuple[Tensor, Tensor]:
-    """:func:`v_sums_kernel` over V's n×m view: the partial row sums (one per column tile) and column sums
-    (one per band of rows), for the caller to add up after the step kernel."""
+def _v_sums(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
+            lo: int) -> tuple[Tensor, Tensor]:
+    """:func:`v_sums_kernel` over the rows of V's n×m view that hold ``weight``'s elements (from ``lo``):
+    the partial row sums (one per column tile; 0 for other rows) and column sums (one per band of rows),
+    for the caller to add up after the step kernel."""
     n, m = state[ROW_V].numel(), state[COL_V].numel()
-    tiles, bands = triton.cdiv(m, tables.BLOCK_COLS), triton.cdiv(n, tables.BAND_ROWS)
-    row_part = torch.empty((tiles, n), dtype=torch.float32, device=weight.device)
-    col_part = torch.empty((bands, m), dtype=torch.float32, device=weight.device)
+    hi = lo + weight.numel()
+    tiles, bands = triton.cdiv(m, tables.BLOCK_COLS), triton.cdiv(-(-hi // m) - lo // m, tables.BAND_ROWS)
+    whole = lo == 0 and hi == n * m
+    row_part = (torch.empty if whole else torch.zeros)((tiles, n), dtype=torch.float32, device=weight.device)
+    col_part = torch.zeros((max(bands, 1), m), dtype=torch.float32, device=weight.device)
     gsign, shrink, l2 = cfg.folded()
-    v_sums_kernel[(tiles * bands,)](
-        weight, grad, state[ROW_V], state[COL_V], row_part, col_part, n, m, cfg.beta2, 1.0 - cfg.beta2, gsign,
-        shrink, l2, factor_sum_cap(n * m, torch.float32), ZERO_BAD=cfg.zero_nonfinite, BR=tables.BLOCK_ROWS,
-        BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS, **LAUNCH_OPTIONS,
-    )
+    if bands:
+        v_sums_kernel[(tiles * bands,)](
+            weight, grad, state[ROW_V], state[COL_V], row_part, col_part, n, m, lo, hi, cfg.beta2, 1.0 - cfg.beta2,
+            gsign, shrink, l2, factor_sum_cap(n * m, torch.float32), ZERO_BAD=cfg.zero_nonfinite,
+            BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS,
+            **LAUNCH_OPTIONS,
+        )
     return row_part, col_part
