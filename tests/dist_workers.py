@@ -112,23 +112,31 @@ def _full_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def _all_reduces_in_one_step(model: nn.Module, options: dict, rank: int, world: int) -> int:
-    """How many all-reduces one ``opt.step()`` makes (FSDP2's own collectives run in backward)."""
+def _collectives_in_one_step(model: nn.Module, options: dict, rank: int, world: int) -> dict[str, int]:
+    """How many all-reduces and all-gathers one ``opt.step()`` makes (FSDP2's own collectives run in
+    forward and backward)."""
     opt = optimizer(model.parameters(), **options)
     x, tokens, y = (t.chunk(world)[rank] for t in batch(0))
     nn.functional.mse_loss(model(x, tokens), y).backward()
-    real, calls = dist.all_reduce, []
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor")
+    real = {name: getattr(dist, name) for name in names}
+    calls = dict.fromkeys(names, 0)
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
 
-    dist.all_reduce = counting
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
     try:
         opt.step()
     finally:
-        dist.all_reduce = real
-    return len(calls)
+        for name in names:
+            setattr(dist, name, real[name])
+    return calls
 
 
 def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> None:
@@ -166,10 +174,10 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
     local_bit_bytes = [opt.state[p][key].to_local().numel() for p in model.parameters()
                        for key in ("sign_m", "flag_m") if key in opt.state[p]]
     paths = sorted({step_kernel("auto", p, momentum_code(p, opt.param_groups[0])).name for p in model.parameters()})
-    all_reduces = _all_reduces_in_one_step(_sharded_net(world), options, rank, world)
+    collectives = _collectives_in_one_step(_sharded_net(world), options, rank, world)
     if rank == 0:
         torch.save({"straight": straight, "resumed": resumed, "bit_bytes": local_bit_bytes, "paths": paths,
-                    "all_reduces": all_reduces}, Path(out) / "fsdp2.pt")
+                    "collectives": collectives}, Path(out) / "fsdp2.pt")
     finish()
 
 

@@ -61,7 +61,8 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
     fused = "numba" in available_backends()
     assert result["paths"] == (["sharded numba"] if fused else ["sharded torch"])
     if fused:  # one all-reduce for every parameter of the step (two under the flag), not one per parameter
-        assert result["all_reduces"] == (2 if options.get("magnitude_bits") else 1)
+        assert result["collectives"] == {"all_reduce": 2 if options.get("magnitude_bits") else 1, "all_gather": 0,
+                                         "all_gather_into_tensor": 0}
 
 
 @pytest.mark.parametrize("options", [dict(magnitude_bits=3), dict(magnitude_bits=3, momentum_rounding="stochastic")],
@@ -71,7 +72,9 @@ def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_pa
     coded by its rows, so a Shard(0) shard codes its own rows; a vector is one row that FSDP2 cuts anywhere,
     stepped whole from the gathered gradient. Either way: one device's result. Rounded stochastically, a
     shard's elements draw by their index in the whole param, as on one device. With numba the rows' shards
-    take its fused pass, their V sums in one all-reduce for the step (it was one per param)."""
+    take its fused pass, their V sums in one all-reduce for the step (it was one per param), and the
+    vectors are stepped whole by it from one all-gather for all of them (it was one each, on the torch
+    path)."""
     _spawn(dist_workers.fsdp2_worker, tmp_path, options)
     result = torch.load(tmp_path / "fsdp2.pt")
     single = dist_workers.single_process_params(**options)
@@ -83,7 +86,7 @@ def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_pa
         assert torch.equal(straight, resumed)  # DCP round trip continues exactly
     if "numba" in available_backends():
         assert result["paths"] == ["sharded numba"]
-        assert result["all_reduces"] == 1  # the vectors' gathers are all-gathers
+        assert result["collectives"] == {"all_reduce": 1, "all_gather": 1, "all_gather_into_tensor": 0}
 
 
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),

@@ -12,15 +12,16 @@ in place and only the sums go through torch: for all the parameters of a step at
 two). The levels code (``magnitude_bits=3``) codes M by rows of the param, so a shard of a param with
 two or more dims codes its own rows and only V's sums cross ranks (on a fused backend, in the step's one
 all-reduce); a vector is one row that FSDP2 cuts anywhere (inside a block, inside a code byte), so its
-code is replicated and each rank steps the whole vector from the gathered gradient on the torch path,
-keeping its own elements. Placement and checkpoint layout: :mod:`smmf.sharding`.
+code is replicated and each rank steps the whole vector, keeping its own elements (on a fused backend:
+every vector of the step from one all-gather of their weights and gradients, in the backend's launch for
+whole tensors). Placement and checkpoint layout: :mod:`smmf.sharding`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,12 +127,28 @@ def _local_step_(param: Tensor, info: ShardInfo, weight: Tensor, local_grad: Ten
 def _gather_vector(local_part: Tensor, total: int, world: int, group: Any) -> Tensor:
     """The whole of a vector sharded in FSDP2's chunks (``ceil(total / world)`` elements a rank, the last
     ones shorter or empty), on every rank."""
-    chunk = -(-total // world)
-    padded = local_part.new_zeros(chunk)
-    padded[: local_part.numel()] = local_part
-    pieces = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(pieces, padded, group=group)
-    return torch.cat(pieces)[:total]
+    return _gather_vectors([(local_part, total)], world, group)[0]
+
+
+def _gather_vectors(parts: Sequence[tuple[Tensor, int]], world: int, group: Any) -> list[Tensor]:
+    """:func:`_gather_vector` of each (local part, total) in **one** all-gather: their bytes side by side
+    (each chunk's padded to 8 bytes, so every dtype views them back in place)."""
+    chunk_bytes = [-(-total // world) * part.element_size() for part, total in parts]
+    slots = [-(-nbytes // 8) * 8 for nbytes in chunk_bytes]
+    mine = torch.zeros(sum(slots), dtype=torch.uint8, device=parts[0][0].device)
+    at = 0
+    for (part, _), slot in zip(parts, slots):
+        raw = part.detach().contiguous().view(-1).view(torch.uint8)
+        mine[at : at + raw.numel()] = raw
+        at += slot
+    pieces = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(pieces, mine, group=group)
+    every = torch.stack(pieces)  # (world, bytes): rank r's chunks in row r
+    wholes, at = [], 0
+    for (part, total), nbytes, slot in zip(parts, chunk_bytes, slots):
+        wholes.append(every[:, at : at + nbytes].contiguous().view(part.dtype).view(-1)[:total])
+        at += slot
+    return wholes
 
 
 def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfinite:
@@ -140,6 +157,7 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
     dtype (the magnitude flag's two passes: two). Each parameter ends as :func:`sharded_step_` leaves it."""
     found: list[Nonfinite] = []
     whole: list[StepItem] = []
+    vectors: list[_Vector] = []
     shards: list[_Shard] = []
     for param, grad, state, cfg in items:
         info = _info(param)
@@ -147,8 +165,8 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
         weight, local_grad = local(param), local(grad)
         if cfg.code is MomentumCode.DENSE:  # elementwise: the torch path
             found.append(torch_step_(weight, local_grad, local_state, cfg))
-        elif cfg.code is MomentumCode.LEVELS and info.sharded and param.dim() < 2:  # a vector: gathered
-            found.append(_local_step_(param, info, weight, local_grad, local_state, cfg))
+        elif cfg.code is MomentumCode.LEVELS and info.sharded and param.dim() < 2:  # a vector: stepped whole
+            vectors.append(_Vector(info, param.numel(), (weight, local_grad, local_state, cfg)))
         elif not info.sharded:  # every rank holds it all
             whole.append((weight, local_grad, local_state, cfg))
         else:
@@ -156,10 +174,39 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
             dtype = local_state[ROW_V].dtype
             shards.append(_Shard(weight, local_grad, local_state, cfg, info.start, (id(group), dtype),
                                  _all_reduce_on(group)))
-    if whole:
-        found.append(backend.steps_(whole))
+    gathered = _whole_vectors(vectors)
+    if whole or gathered:
+        found.append(backend.steps_(whole + gathered))
+    for vector, (whole_weight, *_) in zip(vectors, gathered):
+        own = vector.info.start
+        vector.item[0].copy_(whole_weight[own : own + vector.info.numel])
     found += _shard_steps(backend, shards)
     return _total(found)
+
+
+class _Vector(NamedTuple):
+    """A sharded vector of the levels code: its placement, its length and its rank-local step item."""
+
+    info: ShardInfo
+    total: int
+    item: StepItem
+
+
+def _whole_vectors(vectors: Sequence[_Vector]) -> list[StepItem]:
+    """Each sharded vector's step item with its whole weight and gradient (its state is replicated): one
+    all-gather per process group for all of them."""
+    by_group: dict[int, list[int]] = {}
+    for i, vector in enumerate(vectors):
+        by_group.setdefault(id(vector.info.mesh.get_group()), []).append(i)
+    out: list[Optional[StepItem]] = [None] * len(vectors)
+    for indices in by_group.values():
+        info = vectors[indices[0]].info
+        parts = [(tensor, vectors[i].total) for i in indices for tensor in vectors[i].item[:2]]
+        wholes = _gather_vectors(parts, info.world, info.mesh.get_group())
+        for i, weight, grad in zip(indices, wholes[::2], wholes[1::2]):
+            _, _, state, cfg = vectors[i].item
+            out[i] = (weight, grad, state, cfg)
+    return [item for item in out if item is not None]
 
 
 def _info(param: Tensor) -> ShardInfo:
