@@ -90,10 +90,6 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     it lacks), for the caller to add up across shards and normalize. The paper's code and the natural
     shape (the magnitude flag: :func:`triton_flag_shard_pass_`), and the levels code's shard of whole rows
     of M (:func:`.levels.launch_levels`). Returns what :func:`triton_steps_` returns."""
-    if cfg.code is MomentumCode.LEVELS:  # the shard's own rows of M: its own code, V's raw sums
-        bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
-        launch_levels(weight, grad.to(weight.dtype).contiguous(), state, cfg, bad, start, whole=False)
-        return bad if cfg.zero_nonfinite else None
     return _shard_launch(weight, grad, state, cfg, start, None)
 
 
@@ -110,7 +106,9 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     n, m = state[ROW_V].numel(), state[COL_V].numel()
     grad = grad.to(weight.dtype).contiguous()
     bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
-    if weight.numel():
+    if cfg.code is MomentumCode.LEVELS:  # the shard's own rows of M: its own code, V's raw sums
+        launch_levels(weight, grad, state, cfg, bad, start, whole=False)
+    elif weight.numel():
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
         m_cols = momentum_cols(state, m)
         flag = flag_pass is not None
