@@ -89,6 +89,31 @@ def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_pa
         assert result["collectives"] == {"all_reduce": 1, "all_gather": 1, "all_gather_into_tensor": 0}
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_vectors_gathered_in_one_all_gather_come_back_whole(monkeypatch, world: int) -> None:
+    """The levels code's sharded vectors share one all-gather of raw bytes: each comes back whole and in its
+    own dtype, on every rank, whatever FSDP2's chunks (``ceil(n / world)`` a rank; later ranks short or empty)."""
+    from smmf import distributed
+
+    gen = torch.Generator().manual_seed(world)
+    vectors = [torch.randn(n, generator=gen, dtype=torch.float64).to(dtype) for n, dtype in
+               [(1, torch.bfloat16), (13, torch.float16), (5, torch.float32), (7, torch.float64), (3, torch.bfloat16)]]
+
+    def parts(rank: int) -> list[tuple[torch.Tensor, int]]:
+        chunks = [v.chunk(world) for v in vectors]  # FSDP2's dim-0 split
+        return [(c[rank] if rank < len(c) else v[:0], v.numel()) for c, v in zip(chunks, vectors)]
+
+    sent: dict[int, torch.Tensor] = {}
+    for rank in range(world):  # what each rank contributes
+        monkeypatch.setattr(dist, "all_gather", lambda pieces, mine, group=None, rank=rank: sent.setdefault(rank, mine))
+        distributed._gather_vectors(parts(rank), world, None)
+    monkeypatch.setattr(dist, "all_gather", lambda pieces, mine, group=None: [p.copy_(sent[r]) for r, p in enumerate(pieces)])
+    for rank in range(world):
+        got = distributed._gather_vectors(parts(rank), world, None)
+        assert [g.dtype for g in got] == [v.dtype for v in vectors]
+        assert all(torch.equal(g, v) for g, v in zip(got, vectors))
+
+
 @pytest.mark.skipif("numba" not in available_backends() or not os.path.exists("/proc/self/clear_refs"),
                     reason="needs numba and Linux /proc")
 @pytest.mark.parametrize("options", [{}, FSDP2_OPTIONS["natural+flag"]], ids=["paper", "natural+flag"])

@@ -131,8 +131,8 @@ def _gather_vector(local_part: Tensor, total: int, world: int, group: Any) -> Te
 
 
 def _gather_vectors(parts: Sequence[tuple[Tensor, int]], world: int, group: Any) -> list[Tensor]:
-    """:func:`_gather_vector` of each (local part, total) in **one** all-gather: their bytes side by side
-    (each chunk's padded to 8 bytes, so every dtype views them back in place)."""
+    """:func:`_gather_vector` of each (local part, total) in **one** all-gather: their bytes side by side,
+    each chunk's slot padded to 8 bytes so that every dtype's view of it is aligned."""
     chunk_bytes = [-(-total // world) * part.element_size() for part, total in parts]
     slots = [-(-nbytes // 8) * 8 for nbytes in chunk_bytes]
     mine = torch.zeros(sum(slots), dtype=torch.uint8, device=parts[0][0].device)
@@ -154,7 +154,9 @@ def _gather_vectors(parts: Sequence[tuple[Tensor, int]], world: int, group: Any)
 def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfinite:
     """The steps of DTensor parameters on a fused ``backend``: one pass over each shard, then the row
     and column sums of all of them added up across ranks in **one** all-reduce per process group and
-    dtype (the magnitude flag's two passes: two). Each parameter ends as :func:`sharded_step_` leaves it."""
+    dtype (the magnitude flag's two passes: two); the levels code's vectors take one all-gather per
+    process group and are stepped whole (their NaN/inf elements counted on every rank, not only on the
+    one that holds them). Each parameter ends as :func:`sharded_step_` leaves it."""
     found: list[Nonfinite] = []
     whole: list[StepItem] = []
     vectors: list[_Vector] = []
@@ -198,7 +200,7 @@ def _whole_vectors(vectors: Sequence[_Vector]) -> list[StepItem]:
     by_group: dict[int, list[int]] = {}
     for i, vector in enumerate(vectors):
         by_group.setdefault(id(vector.info.mesh.get_group()), []).append(i)
-    out: list[Optional[StepItem]] = [None] * len(vectors)
+    out: dict[int, StepItem] = {}
     for indices in by_group.values():
         info = vectors[indices[0]].info
         parts = [(tensor, vectors[i].total) for i in indices for tensor in vectors[i].item[:2]]
@@ -206,7 +208,7 @@ def _whole_vectors(vectors: Sequence[_Vector]) -> list[StepItem]:
         for i, weight, grad in zip(indices, wholes[::2], wholes[1::2]):
             _, _, state, cfg = vectors[i].item
             out[i] = (weight, grad, state, cfg)
-    return [item for item in out if item is not None]
+    return [out[i] for i in range(len(vectors))]
 
 
 def _info(param: Tensor) -> ShardInfo:
