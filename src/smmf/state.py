@@ -174,7 +174,7 @@ def levels_state(spec: TensorSpec, param: Tensor, info: Any) -> Tensor:
     """A zero levels-code tensor (codes or scales, by rows of the param) for a DTensor param: sharded like
     it (``Shard(0)``: each rank holds the rows of its shard, whole blocks) when the param has rows to
     shard; replicated for a sharded vector, which is one row that FSDP2 cuts anywhere (each rank then
-    steps the whole row from the gathered gradient: :func:`smmf.distributed.sharded_step_`)."""
+    steps the whole row from the gathered weight and gradient: :mod:`smmf.distributed`)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if info.sharded and param.dim() >= 2:
