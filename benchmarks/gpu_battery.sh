@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# The GPU battery (its stages took 4 (cut at their limit), 1, 1 and 2–3 minutes on an H200: split them over two calls
-# with STAGES where one call has less time): every CUDA path against the torch path
+# The GPU battery (on an H200 its stages took up to 4, 2, 2, 1 and 2–3 minutes: split them over calls with
+# STAGES where one call has less time): every CUDA path against the torch path
 # (tests/triton_parity.py on CUDA beside the CUDA-related tests), the step geometry tried round-robin
-# with fused AdamW (benchmarks/gpu_tune.py), `smmf bench --device cuda` (52M GPT-2-like, ResNet-50,
-# 1.56B GPT-2-XL-like; the opt-in momentum codes), and `smmf bench --training --device cuda`
+# with fused AdamW (benchmarks/gpu_tune.py, whose fastest candidate that matches the torch path the
+# bench and profile stages then run under), `smmf bench --device cuda` (52M GPT-2-like, ResNet-50,
+# 1.56B GPT-2-XL-like; the opt-in momentum codes), where a step's time goes (benchmarks/gpu_profile.py),
+# and, opt-in, `training`: `smmf bench --training --device cuda`
 # (GPT-2 medium and large; the largest model within 24 GiB and within the card); opt-in, `study`:
 # `smmf compare` on stdlib-lm and finetune-lm with the peers, 3 seeds, runs side by side on the GPU
 # (partial results are kept when a task hits its limit), beside the tests.
 # Writes at most 8 files to $OUT (default ./gpu-out). Needs torch with CUDA, triton, numba, transformers,
 # pytest, pytest-xdist, pytest-timeout and hypothesis (the study: pytorch_optimizer and the peers, which
 # may come on PYTHONPATH).
-#   bash benchmarks/gpu_battery.sh            # tests tune bench training
+#   bash benchmarks/gpu_battery.sh            # tests tune bench profile
 #   STAGES="tests tune" bash benchmarks/gpu_battery.sh
 #   STAGES="tests study" STUDY_S="330 180" bash benchmarks/gpu_battery.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
-STAGES=${STAGES:-"tests tune bench training"}
+STAGES=${STAGES:-"tests tune bench profile"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="$OUT/battery.log"
@@ -30,7 +32,8 @@ tests() {
   # Correctness only, so it may run beside the study: the CUDA-related tests, test_triton.py running the
   # parity script on the GPU. -v names every test as it ends (two H200 runs lost the summary, and with it
   # the failures' names, to the stage's limit), and a per-test limit keeps one hang from taking the stage.
-  timeout 330 python3 -m pytest -v -p no:cacheprovider -rfs --tb=short --timeout 200 -n 6 tests/test_cuda.py \
+  timeout "${TESTS_S:-330}" python3 -m pytest -v -p no:cacheprovider -rfs --tb=short --timeout 200 -n "${WORKERS:-6}" \
+    tests/test_cuda.py \
     tests/test_triton.py tests/test_fused_kernels.py tests/test_checkpoint.py tests/test_step_in_backward.py \
     > "$OUT/tests_cuda.log" 2>&1
   echo "cuda tests rc=$?" | tee -a "$LOG"; grep -E "FAILED|ERROR" "$OUT/tests_cuda.log" >> "$LOG"
@@ -57,18 +60,27 @@ if wanted study; then
   done
   [[ -n "${tests_pid:-}" ]] && wait "$tests_pid"
 fi
+# The bench and profile stages run under the tune's fastest candidate that matched the torch path, or
+# under the committed geometry where no tune ran.
+[[ -f "$OUT/best.json" ]] || echo '{"name": "committed", "settings": {}}' > "$OUT/best.json"
 if wanted tune; then
   stage tune  # two JSON documents, fp32 then bf16
-  { timeout 150 python3 benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B --dtypes float32 --repeats 15 \
-      && timeout 90 python3 benchmarks/gpu_tune.py --sets gpt2-xl-1.3B --dtypes bfloat16 --repeats 10; } \
-    > "$OUT/tune.json" 2>> "$LOG"; echo "tune rc=$?" | tee -a "$LOG"
+  { timeout "${TUNE_S:-150}" python3 benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B --dtypes float32 \
+      --repeats 12 --best "$OUT/best.json" \
+      && timeout 80 python3 benchmarks/gpu_tune.py --sets gpt2-xl-1.3B --dtypes bfloat16 --repeats 8; } \
+    > "$OUT/tune.json" 2>> "$LOG"; echo "tune rc=$? best: $(cat "$OUT/best.json")" | tee -a "$LOG"
 fi
 if wanted bench; then
   stage bench  # the paper's code with the baselines and peaks; then the other codes of M, apart, so that one failing loses nothing else
-  timeout 120 python3 -m smmf.cli bench --device cuda --sets gpt2-52M,resnet50,gpt2-xl-1.3B --repeats 10 --json \
+  timeout 100 python3 benchmarks/with_geometry.py "$OUT/best.json" smmf.cli bench --device cuda --sets gpt2-52M,resnet50,gpt2-xl-1.3B --repeats 10 --json \
     > "$OUT/bench_cuda.json" 2>> "$LOG"; echo "bench rc=$?" | tee -a "$LOG"
-  timeout 90 python3 -m smmf.cli bench --device cuda --sets gpt2-52M,gpt2-xl-1.3B --momentum-codes --no-peak \
-    --repeats 10 --json > "$OUT/bench_codes.json" 2>> "$LOG"; echo "bench codes rc=$?" | tee -a "$LOG"
+  timeout 80 python3 benchmarks/with_geometry.py "$OUT/best.json" smmf.cli bench --device cuda \
+    --sets gpt2-52M,gpt2-xl-1.3B --momentum-codes --no-peak --repeats 8 --json > "$OUT/bench_codes.json" 2>> "$LOG"; echo "bench codes rc=$?" | tee -a "$LOG"
+fi
+if wanted profile; then
+  stage profile
+  timeout 60 python3 benchmarks/with_geometry.py "$OUT/best.json" gpu_profile --sets resnet50,gpt2-xl-1.3B \
+    > "$OUT/profile.txt" 2>> "$LOG"; echo "profile rc=$?" | tee -a "$LOG"
 fi
 if wanted training; then
   stage training

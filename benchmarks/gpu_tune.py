@@ -1,7 +1,10 @@
 """The Triton step's geometry, tried on a GPU: every candidate (tile shape, warps, 16-byte hints, a
-register cap, band height) timed round-robin with ``AdamW(fused=True)`` and the in-place axpy over
-the same params, in one run, per shape set and weight dtype; JSON with the medians and the ratios.
-A candidate that fails to compile or run is left out, with its error in the JSON.
+register cap, band height, how the loop overlaps its loads, how it makes its small stores) timed
+round-robin with ``AdamW(fused=True)`` and the in-place axpy over the same params, in one run, per shape
+set and weight dtype; JSON with the medians and the ratios. First each candidate takes one step of a mix
+of shapes (aligned and not, a conv, a vector) from the same state as the torch path: one that fails to
+compile, to run or to match it is left out, with the reason in the JSON. ``--best`` names the candidate
+with the lowest median over the sets, which :func:`configure` (or ``benchmarks/with_geometry.py``) applies.
 
     python benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B --dtypes float32,bfloat16
 """
@@ -24,18 +27,20 @@ from smmf.kernels.triton_gpu import table
 
 DEFAULT = dict(BLOCK_ROWS=table.BLOCK_ROWS, BLOCK_COLS=table.BLOCK_COLS, WARPS=table.WARPS,
                BAND_ROWS=table.BAND_ROWS, VECTOR_HINTS=table.VECTOR_HINTS, MAX_REGISTERS=table.MAX_REGISTERS,
-               PIPELINE_STAGES=table.PIPELINE_STAGES)
+               PIPELINE_STAGES=table.PIPELINE_STAGES, PREFETCH=table.PREFETCH, ASM_STORES=table.ASM_STORES)
+PIPELINED = dict(PIPELINE_STAGES=3, PREFETCH=False, ASM_STORES=False)  # the geometry before the prefetch
 CANDIDATES: dict[str, dict[str, Any]] = {
-    "default": {},
-    "32x128 w8, no hints (the earlier geometry)": dict(BLOCK_ROWS=32, BLOCK_COLS=128, WARPS=8, VECTOR_HINTS=False,
-                                                       PIPELINE_STAGES=1),
-    "8x128 w8, 1 stage": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=1),
-    "8x128 w8, 96 registers": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, MAX_REGISTERS=96, PIPELINE_STAGES=1),
-    "8x128 w8, 2 stages": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=2),
-    "8x128 w8, 3 stages": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=3),
-    "8x128 w8, 2 stages, 96 registers": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=2, MAX_REGISTERS=96),
-    "8x128 w8, 3 stages, 80 registers": dict(BLOCK_ROWS=8, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=3, MAX_REGISTERS=80),
-    "16x128 w8, 2 stages": dict(BLOCK_ROWS=16, BLOCK_COLS=128, WARPS=8, PIPELINE_STAGES=2),
+    "default (8x128 w8, prefetch, stores in layout, 80 registers)": {},
+    "8x128 w8, 3 stages, 80 registers (the earlier default)": PIPELINED,
+    "8x128 w8, 3 stages, stores in layout": dict(PIPELINED, ASM_STORES=True),
+    "8x128 w8, prefetch, tl.store": dict(ASM_STORES=False),
+    "8x128 w8, prefetch, 96 registers": dict(MAX_REGISTERS=96),
+    "8x128 w8, prefetch, 64 registers": dict(MAX_REGISTERS=64),
+    "16x128 w8, prefetch": dict(BLOCK_ROWS=16),
+    "8x256 w8, prefetch": dict(BLOCK_COLS=256),
+    "8x128 w4, prefetch (2 rows a warp)": dict(WARPS=4),
+    "4x128 w4, prefetch": dict(BLOCK_ROWS=4, WARPS=4),
+    "8x128 w8, prefetch, bands of 1024": dict(BAND_ROWS=1024),
 }
 ADAMW = "AdamW(fused)"
 AXPY = "axpy (limit)"
@@ -51,17 +56,63 @@ def _candidate_step(opt: torch.optim.Optimizer, candidate: dict[str, Any]) -> No
     opt.step()
 
 
+CHECK_SHAPES = ((1024, 768), (768, 3072), (64, 64, 3, 3), (1000, 3), (1000,), (37, 29))
+
+
+def check(candidate: dict[str, Any], device: str = "cuda") -> str:
+    """'' when one step of every CHECK_SHAPES tensor in one launch set, from the torch path's state,
+    matches it (weights within 1e-6, factors within 1e-5 of their largest, sign bits but 1e-4 of them);
+    else what differed or failed."""
+    from smmf.functional import StepConfig, torch_step_
+    from smmf.kernels.triton_gpu import triton_steps_
+    from smmf.state import MomentumCode, init_state
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                     maximize=False, stochastic_rounding=False, code=MomentumCode.SIGN)
+    items, expected = [], []
+    for shape in CHECK_SHAPES:
+        p = torch.randn(shape, device=device, generator=gen)
+        state = init_state(p, {"beta": 0.9, "vector_reshape": True})
+        torch_step_(p, torch.randn(shape, device=device, generator=gen), state, cfg)  # a nonzero state
+        g = torch.randn(shape, device=device, generator=gen)
+        q, mine = p.clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        torch_step_(p, g, state, cfg)
+        items.append((q, g, mine, cfg))
+        expected.append((p, state))
+    try:
+        configure(candidate)
+        triton_steps_(items)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 (a candidate the compiler or the GPU refuses)
+        return repr(error)
+    finally:
+        configure({})
+    for (q, _, mine, _), (p, state), shape in zip(items, expected, CHECK_SHAPES):
+        if not torch.allclose(q, p, rtol=1e-6, atol=1e-6):
+            return f"{shape}: weights differ by {(q - p).abs().max().item():.3g}"
+        for key in ("row_m", "col_m", "row_v", "col_v"):
+            if not torch.allclose(mine[key], state[key], rtol=1e-5, atol=1e-5 * state[key].abs().max().item()):
+                return f"{shape}: {key} differs by {(mine[key] - state[key]).abs().max().item():.3g}"
+        if (mine["sign_m"] != state["sign_m"]).sum().item() > 1e-4 * state["sign_m"].numel():
+            return f"{shape}: {(mine['sign_m'] != state['sign_m']).sum().item()} sign bytes differ"
+    return ""
+
+
 def time_set(set_name: str, dtype: torch.dtype, repeats: int, device: str = "cuda") -> dict[str, Any]:
     params = make_params(SHAPE_SETS[set_name](), device=device, dtype=dtype)
     steps: dict[str, Callable[[], object]] = {}
+    failed = {name: reason for name, reason in ((name, check(c)) for name, c in CANDIDATES.items()) if reason}
     adamw = torch.optim.AdamW(params, lr=1e-6, fused=True)
     steps[ADAMW] = adamw.step
     for name, candidate in CANDIDATES.items():
+        if name in failed:
+            continue
         steps[name] = partial(_candidate_step, SMMF(params, lr=1e-6, backend="triton"), candidate)
     numel = sum(p.numel() for p in params)
     a, b = torch.zeros(numel, device=device, dtype=dtype), torch.ones(numel, device=device, dtype=dtype)
     steps[AXPY] = partial(a.add_, b, alpha=1e-9)
-    failed = {}
     for name, step in list(steps.items()):  # state, compilation and layouts are not timed
         try:
             for _ in range(2):
@@ -84,6 +135,7 @@ def main() -> None:
     parser.add_argument("--sets", default="gpt2-52M,gpt2-xl-1.3B")
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--best", metavar="FILE", help="also write the fastest candidate's settings here (JSON)")
     args = parser.parse_args()
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bytes_per_second": copy_bandwidth("cuda"),
                                "candidates": CANDIDATES, "default": DEFAULT, "sets": {}}
@@ -93,6 +145,13 @@ def main() -> None:
             torch.cuda.empty_cache()
             print(json.dumps({set_name: results["sets"][f"{set_name} {dtype_name}"]["ms"]}), file=sys.stderr, flush=True)
     print(json.dumps(results, indent=2))
+    if args.best:
+        timed = [entry["over_fused_adamw"] for entry in results["sets"].values()]
+        names = [name for name in CANDIDATES if all(name in ratios for ratios in timed)]
+        best = min(names, key=lambda name: statistics.mean(ratios[name] for ratios in timed))
+        with open(args.best, "w") as f:
+            json.dump({"name": best, "settings": CANDIDATES[best]}, f)
+        print(f"fastest: {best}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ built by field name, and the launches in order (:mod:`smmf.kernels.triton_gpu`'s
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Sequence
 
 import torch
@@ -26,6 +27,11 @@ def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs the kernels in its CPU interpreter, which executes no inline PTX."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _vector(weight: Tensor, grad: Tensor, state: dict[str, Any], m: int, lo: int, hi: int) -> bool:
@@ -195,6 +201,7 @@ def _launch(
         int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
         W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, VECTOR=vector and tables.VECTOR_HINTS,
         SHARD=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans), STAGES=tables.PIPELINE_STAGES,
+        PREFETCH=tables.PREFETCH, ASM_STORES=tables.ASM_STORES and not _interpreted(),
         STOCHASTIC=stochastic, ZERO_BAD=cfg.zero_nonfinite, NATURAL=natural, FLAG=flag, **blocks, **cap,
     )
     copiers = 0 if aligned else tables.COPY_PROGRAMS

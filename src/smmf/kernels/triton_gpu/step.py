@@ -34,15 +34,61 @@ from .table import (
     T_LEVEL_SUMS_AT,
     T_FLAG_WORDS_AT,
 )
-from .tiles import (bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, pack_bits, row_sums, unpack_bits,
+from .tiles import (store_in_layout, bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, pack_bits, row_sums, unpack_bits,
                     work_item)
+
+
+@triton.jit
+def store_row_sums(ptr, x, row_ok, BR: tl.constexpr, ASM: tl.constexpr):
+    """A (BR, BC/8, 8) tile's row sums into ``ptr[0 .. BR)``, kept in the tile's own layout."""
+    sums = tl.sum(tl.sum(x, axis=2, keep_dims=True), axis=1, keep_dims=True)
+    store_in_layout(ptr + tl.arange(0, BR)[:, None, None], sums, row_ok[:, None, None], ASM)
+
+
+@triton.jit
+def tile_geometry(r0, last_row, m, m32, held_lo, held_hi, cols, col_ok, SHARD: tl.constexpr, BR: tl.constexpr):
+    """The rows of the tile from row ``r0``, which of them the band holds, the tile's first element (globally,
+    and where w, g and the bits hold it: int64) and its elements' offsets from there (int32), and which it holds."""
+    rows = r0 + tl.arange(0, BR)
+    row_ok = rows < last_row
+    start0 = r0 * m
+    base = start0 - held_lo
+    offs = tl.arange(0, BR)[:, None, None] * m32 + cols
+    ok = row_ok[:, None, None] & col_ok
+    if SHARD:  # the first and last rows may be partial
+        ok = ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
+    return rows, row_ok, start0, base, offs, ok
+
+
+@triton.jit
+def tile_loads(r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr, flags_ptr,
+               row_m_ptr, col_m_ptr, cm, m_cols, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, SHARD: tl.constexpr,
+               NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """What the step reads for the tile from row ``r0``: w and g as stored, V's row factors, the sign and flag
+    bits (0/1) and M's factor product r cᵀ (0 without a first moment). Rows past ``last_row`` read nothing."""
+    rows, row_ok, start0, base, offs, ok = tile_geometry(r0, last_row, m, m32, held_lo, held_hi, cols, col_ok, SHARD,
+                                                         BR)
+    w = tl.load(w_ptr + base + offs, mask=ok, other=0.0)
+    g = tl.load(g_ptr + base + offs, mask=ok, other=0.0)
+    rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_M:
+        byte_offs, byte_ok = byte_geometry(base, start0, held_lo, held_hi, m32, tile, row_ok, SHARD, BR, BC)
+        bits = unpack_bits(signs_ptr, byte_offs, byte_ok, base + offs, ok, ALIGNED)
+        flag_bits = unpack_bits(flags_ptr, byte_offs, byte_ok, base + offs, ok, ALIGNED) if FLAG else bits
+        magnitude = factor_product(row_m_ptr, col_m_ptr, cm, rows, row_ok, start0 + offs, ok, m_cols, NATURAL)
+    else:
+        bits = tl.zeros((BR, BC // 8, 8), dtype=tl.uint8)
+        flag_bits = bits
+        magnitude = tl.zeros((BR, BC // 8, 8), dtype=tl.float32)
+    return w, g, rv, bits, flag_bits, magnitude
 
 
 @triton.jit
 def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
                 seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, VECTOR: tl.constexpr,
                 SHARD: tl.constexpr, STOCHASTIC: tl.constexpr, ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr,
-                FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr, STAGES: tl.constexpr):
+                FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr, STAGES: tl.constexpr,
+                PREFETCH: tl.constexpr = False, ASM_STORES: tl.constexpr = False):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
     laid out per tensor as [V rows: tiles×n][V cols: bands×m][M rows][M cols] (:func:`~smmf.kernels.triton_gpu.table.layout`);
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
@@ -61,7 +107,10 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     every row segment starts and ends on 8 elements and that w, g and the column factors start on 16
     bytes (``host._vector``); saying so lets the compiler move them 16 bytes at a time, which halves
     the registers and the load instructions per element. ``SHARD``: some tensor holds only part of its
-    rows (lo > 0 or hi < n·m), so each element is also tested against lo .. hi."""
+    rows (lo > 0 or hi < n·m), so each element is also tested against lo .. hi. ``PREFETCH``: each
+    iteration issues the next tile's loads (:func:`tile_loads`) into registers before it computes its own,
+    so that no load's latency, the sign bytes' included, stands between two tiles (Triton's own pipelining,
+    ``STAGES`` > 1, stages w and g through shared memory and leaves the byte loads in the loop)."""
     tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
     BB: tl.constexpr = BC // 8
     t, row, tiles, local, band, tile = work_item(meta_ptr, item_tensor_ptr, T_TILES, T_FIRST_ITEM)
@@ -83,7 +132,6 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         g_ptr = tl.multiple_of(g_ptr, 16)
         col_v_ptr = tl.multiple_of(col_v_ptr, 16)
     m32 = m.to(tl.int32)
-    r_idx = tl.arange(0, BR)[:, None, None]
     bit = tl.arange(0, 8)[None, None, :]
     cols = (tile * BC).to(tl.int32) + tl.arange(0, BB)[None, :, None] * 8 + bit  # (1, BB, 8)
     col_ok = cols < m32
@@ -110,6 +158,13 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             flags_ptr = signs_ptr  # unread: the flag's names exist in every variant
             high = 0.0
             low = 0.0
+    else:  # unread: the names of M's state exist in every variant
+        signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+        flags_ptr = signs_ptr
+        row_m_ptr = row_v_ptr
+        col_m_ptr = col_v_ptr
+        cm = 0.0
+        m_cols = m
     cap = FP32_MAX / (2.0 * (n * m).to(tl.float32))
     any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
     acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
@@ -120,39 +175,41 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     energy_low = tl.zeros((), dtype=tl.float32)
     first_row = held_lo // m + band * BAND
     last_row = tl.minimum(first_row + BAND, (held_hi + m - 1) // m)
+    if PREFETCH:  # the first tile's loads; each iteration then issues the next tile's before it computes
+        next_w, next_g, next_rv, next_bits, next_flag_bits, next_magnitude = tile_loads(
+            first_row, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr,
+            flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M, ALIGNED, SHARD, NATURAL, FLAG, BR, BC)
     for r0 in tl.range(first_row, last_row, BR, num_stages=STAGES):
-        rows = r0 + tl.arange(0, BR)
-        row_ok = rows < last_row
-        # int64: the tile's first element, globally and where w, g and the sign bits hold it;
-        # offsets within the tile fit in int32
-        start0 = r0 * m
-        base = start0 - held_lo
-        offs = r_idx * m32 + cols
-        ok = row_ok[:, None, None] & col_ok
-        if SHARD:  # the first and last rows may be partial
-            ok = ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
-        w = tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink
-        g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
+        rows, row_ok, start0, base, offs, ok = tile_geometry(r0, last_row, m, m32, held_lo, held_hi, cols, col_ok,
+                                                             SHARD, BR)
+        if PREFETCH:
+            w_raw, g_raw, rv, bits, flag_bits, magnitude = (next_w, next_g, next_rv, next_bits, next_flag_bits,
+                                                            next_magnitude)
+            next_w, next_g, next_rv, next_bits, next_flag_bits, next_magnitude = tile_loads(
+                r0 + BR, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr,
+                flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M, ALIGNED, SHARD, NATURAL, FLAG, BR, BC)
+        else:
+            w_raw, g_raw, rv, bits, flag_bits, magnitude = tile_loads(
+                r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr,
+                flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M, ALIGNED, SHARD, NATURAL, FLAG, BR, BC)
+        w = w_raw.to(tl.float32) * shrink
+        g = g_raw.to(tl.float32) * gsign
         finite = tl.abs(g) <= FP32_MAX  # False for NaN
         any_bad = any_bad | (ok & ~finite)
         if ZERO_BAD:
             g = tl.where(finite, g, 0.0)
         g = g + l2 * w
-        rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
-        v = beta2 * (rv * cv) + (1.0 - beta2) * (g * g)
+        v = beta2 * (rv[:, None, None] * cv) + (1.0 - beta2) * (g * g)
         v = tl.where(ok, v, 0.0)
         v_capped = tl.where(v > cap, cap, v)
-        tl.store(part + tile * n + rows, row_sums(v_capped), mask=row_ok)
+        store_row_sums(part + tile * n + r0, v_capped, row_ok, BR, ASM_STORES)
         acc_v += v_capped
         if HAS_M:
             byte_offs, byte_ok = byte_geometry(base, start0, held_lo, held_hi, m32, tile, row_ok, SHARD, BR, BC)
-            bits = unpack_bits(signs_ptr, byte_offs, byte_ok, base + offs, ok, ALIGNED)
-            flag_bits = unpack_bits(flags_ptr, byte_offs, byte_ok, base + offs, ok, ALIGNED) if FLAG else bits
-            magnitude = factor_product(row_m_ptr, col_m_ptr, cm, rows, row_ok, start0 + offs, ok, m_cols, NATURAL)
             mm = momentum(g, bits, flag_bits, magnitude, high, low, beta1, FLAG)
             mm = tl.where(ok, mm, 0.0)
             pack_bits(signs_ptr, words, ((mm >= 0) & ok).to(tl.int32), byte_offs, byte_ok, rows, tile, m, held_lo,
-                      row_ok, ALIGNED, BR, BC)
+                      row_ok, ALIGNED, BR, BC, ASM_STORES)
             if FLAG:  # encode against the new factors: F = [|M| > R], and the least-squares sums
                 estimate = factor_product(new_row_m, new_col_m, new_cm, rows, row_ok, start0 + offs, ok, m_cols,
                                           NATURAL)
@@ -162,11 +219,11 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
                 fit_low += d_fit_low
                 energy_low += d_energy_low
                 pack_bits(flags_ptr, flag_words, above.to(tl.int32), byte_offs, byte_ok, rows, tile, m, held_lo,
-                          row_ok, ALIGNED, BR, BC)
+                          row_ok, ALIGNED, BR, BC, ASM_STORES)
             if not NATURAL and not FLAG:  # (else momentum_sums_kernel made |M|'s sums in M's view)
                 a = tl.abs(mm)
                 a = tl.where(a > cap, cap, a)
-                tl.store(m_part + tile * n + rows, row_sums(a), mask=row_ok)
+                store_row_sums(m_part + tile * n + r0, a, row_ok, BR, ASM_STORES)
                 acc_m += a
             u = mm / (tl.sqrt(v) + eps)
         else:

@@ -12,14 +12,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# The step kernel's geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of
-# 8 × 128 on 8 warps (4 elements a thread), 3 tiles in flight per program (Triton's software
-# pipelining issues the next tiles' loads before this one is used), and a cap of 80 registers a thread,
-# so that three programs share an SM. Larger tiles reach 255 registers and spill. BLOCK_COLS is a
-# multiple of 32 (the unaligned sign path packs 32 bits at a time).
+# The step kernel's geometry (docs/gpu.md): tiles of 8 × 128 on 8 warps, so that each warp holds one
+# row of a tile (4 elements a thread) and a row's sums never leave its warp; each iteration issues the
+# next tile's loads before it computes (PREFETCH), and the small stores (row sums, sign bytes) are made
+# from the layout the values are in (ASM_STORES): the loop then has no barrier, and each warp runs on its
+# own. A cap of 80 registers a thread lets three programs share an SM. BLOCK_COLS is a multiple of 32
+# (the unaligned sign path packs 32 bits at a time). The earlier geometry, timed against it by
+# benchmarks/gpu_tune.py: Triton's software pipelining of w and g through shared memory, 3 stages.
 BLOCK_ROWS, BLOCK_COLS, WARPS = 8, 128, 8
 BAND_ROWS = 256
-PIPELINE_STAGES = 3  # tiles in flight per program (the step kernel's STAGES)
+PIPELINE_STAGES = 1  # tiles in flight per program by Triton's pipelining (the step kernel's STAGES)
+PREFETCH = True  # the next tile's loads into registers, before this tile is computed
+ASM_STORES = True  # small stores without a layout change (not under the interpreter, which runs no PTX)
 MAX_REGISTERS: Optional[int] = 80  # per thread (ptxas's maxnreg); None: the compiler's choice
 # Whether launches whose tensors pass host.py's _vector check tell the step kernel so (16-byte loads
 # and stores).
