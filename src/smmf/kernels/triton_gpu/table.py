@@ -23,7 +23,7 @@ BLOCK_ROWS, BLOCK_COLS, WARPS = 8, 128, 8
 BAND_ROWS = 256
 PIPELINE_STAGES = 1  # tiles in flight per program by Triton's pipelining (the step kernel's STAGES)
 PREFETCH = True  # the next tile's loads into registers, before this tile is computed
-ASM_STORES = True  # small stores without a layout change (not under the interpreter, which runs no PTX)
+ASM_STORES = False  # small stores without a layout change by inline PTX: slower on an H200 (docs/gpu.md)
 MAX_REGISTERS: Optional[int] = 80  # per thread (ptxas's maxnreg); None: the compiler's choice
 # Whether launches whose tensors pass host.py's _vector check tell the step kernel so (16-byte loads
 # and stores).
