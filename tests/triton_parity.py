@@ -142,6 +142,58 @@ def run_batched(device: str) -> None:
     print(f"{device} batched launch of {len(shapes)} tensors: OK")
 
 
+def run_plans(device: str) -> None:
+    """A step whose params, gradient buffers and state tensors are where the last step's were, with the
+    same configs equal, takes the last step's plan (no table built again); a step after a state tensor or
+    a gradient buffer moved, or after two configs stopped being equal, is planned anew. Every step equals
+    the torch path's."""
+    from smmf.kernels.triton_gpu import host, triton_steps_
+
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(64, 48), (31, 9), (768,)]
+    params = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    grads = [torch.empty_like(p) for p in params]  # kept from step to step, as zero_grad(set_to_none=False) keeps them
+    states = [init_state(p, {"beta": 0.9, "vector_reshape": True}) for p in params]
+    prepared = []
+    real_prepare = host._prepare
+    host._prepare = lambda *args, **kwargs: prepared.append(1) or real_prepare(*args, **kwargs)
+    host._PLANS.clear()
+    moved = None
+    try:
+        for step, plans_after in zip(range(1, 6), (1, 1, 2, 3, 4)):
+            if step == 4:  # a state tensor moves; the old one stays alive, so a stale plan would write it
+                moved = states[0]["row_v"]
+                states[0]["row_v"] = moved.clone()
+            if step == 5:
+                grads[1] = torch.empty_like(params[1])
+            items, expected = [], []
+            for i, (p, g, st) in enumerate(zip(params, grads, states)):
+                lr = 1e-2 if i < 2 or step < 3 else 3e-2  # the third param's config differs from step 3 on
+                cfg = StepConfig(lr=lr, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
+                                 weight_decay=0.0, decoupled_weight_decay=True, maximize=False,
+                                 stochastic_rounding=False, code=MomentumCode.SIGN)
+                g.copy_(torch.randn(p.shape, generator=gen).to(device))
+                ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                torch_step_(ref_p, g, ref_st, cfg)
+                expected.append((ref_p, ref_st))
+                items.append((p, g, st, cfg))
+            prepared.clear()
+            triton_steps_(items)
+            assert len(host._PLANS) == plans_after, (step, len(host._PLANS))
+            assert (len(prepared) == 0) == (step == 2), (step, len(prepared))  # step 2 takes step 1's plan
+            for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
+                torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-5)
+                _same_code(st, ref_st, cfg)
+                p.copy_(ref_p)  # continue from identical inputs, in the same tensors
+                for key, value in ref_st.items():
+                    if isinstance(value, torch.Tensor):
+                        st[key].copy_(value)
+    finally:
+        host._prepare = real_prepare
+        host._PLANS.clear()
+    print(f"{device} plans kept and renewed: OK")
+
+
 def run_shards(device: str) -> None:
     """FSDP2 shards on the Triton kernel: pieces of a matrix (partial rows, starts on and off a sign
     byte, an empty piece), their raw sums added up, equal the step of the whole matrix; M in V's
@@ -375,7 +427,7 @@ def main() -> int:
               for dtype in [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])]
     checks += [partial(run_levels_stochastic, device), partial(run_levels_shards, device),
                partial(run_huge_flag, device), partial(run_flag_shards, device),
-               partial(run_shards, device), partial(run_batched, device)]
+               partial(run_shards, device), partial(run_batched, device), partial(run_plans, device)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:
         for beta, maximize, wd, decoupled, shape, bits in [

@@ -4,7 +4,7 @@ built by field name, and the launches in order (:mod:`smmf.kernels.triton_gpu`'s
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import triton.language as tl
@@ -46,23 +46,91 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
     """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch per distinct
     (dtype, cfg, alignment) among them; under the levels code (``magnitude_bits=3``), the launches of
     :func:`.levels.launch_levels` per tensor. Returns a CUDA counter of NaN/inf gradient elements (a lower
-    bound; not synchronized), or None when none of the configs zeroes them."""
-    launches: dict[tuple, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
-    levels_items = []  # the levels code: kernels of its own per tensor (.levels), not the table's
-    copies_back = []
+    bound; not synchronized), or None when none of the configs zeroes them.
+
+    The host's work per tensor (grouping, the table of each launch, its copy to the GPU) is what a step
+    costs on the CPU while the GPU waits, so it is done once per :func:`_signature` of the items (the
+    addresses, shapes and dtypes of every tensor, which configs are equal) and kept as a plan: a later
+    step with the same signature (the usual loop: the same params, state and gradient buffers) only
+    launches."""
+    signature = _signature(items)
+    plan = _PLANS.get(signature) if signature is not None else None
+    views = None
+    if plan is None:
+        views = [_views(param, grad) for param, grad, _, _ in items]
+        plan = _make_plan(items, views)
+        if signature is not None:
+            if len(_PLANS) >= _PLANS_KEPT:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[signature] = plan
+    if not plan.groups and not plan.levels:
+        return None
+    bad = torch.zeros(1, dtype=torch.int32, device=items[0][0].device)
+    for group, index in plan.groups:
+        _run(group, items[index][3], bad)
+    for index in plan.levels:
+        param, grad, state, cfg = items[index]
+        weight, g, _ = views[index] if views is not None else (real_view(param.detach()), real_view(grad), None)
+        launch_levels(weight, g, state, cfg, bad)
+    for weight, g, copy_of in views or ():
+        if copy_of is not None:
+            copy_of.copy_(weight)
+    return bad if any(cfg.zero_nonfinite for _, _, _, cfg in items) else None
+
+
+class _Plan(NamedTuple):
+    """A step's launches: each prepared group with the index of an item whose config it takes (every
+    item of a group has an equal config), and the items of the levels code, launched one by one."""
+
+    groups: list[tuple[_Group, int]]
+    levels: list[int]
+
+
+_PLANS: dict[tuple, _Plan] = {}  # by signature, oldest first
+_PLANS_KEPT = 8  # a few models, or the step inside backward's groups of params, each with its own plan
+
+
+def _signature(items: Sequence[StepItem]) -> Optional[tuple]:
+    """What decides a step's plan: every param's and gradient's address, shape and dtype, every state
+    tensor's address and size, which items' configs are equal (a plan launches a group with one item's
+    config), and the tile geometry. None when some param or gradient needs a copy first (strided, or a
+    gradient of another dtype): that step is planned for itself alone."""
+    classes: dict[tuple[int, torch.dtype], int] = {}
+    values: dict[tuple, int] = {}
+    entries = []
     for param, grad, state, cfg in items:
-        if real_view(param).numel() == 0:
+        if not (param.is_contiguous() and grad.is_contiguous()) or grad.dtype != param.dtype:
+            return None
+        kind = classes.get((id(cfg), param.dtype))
+        if kind is None:
+            kind = classes[(id(cfg), param.dtype)] = values.setdefault(
+                (*_config_key(cfg, param.dtype), cfg.code), len(values))
+        entries.append((kind, param.data_ptr(), param.shape, param.dtype, grad.data_ptr(),
+                        *[(t.data_ptr(), t.numel()) for t in state.values() if isinstance(t, Tensor)]))
+    return (tables.BLOCK_COLS, tables.BAND_ROWS, *entries)
+
+
+def _views(param: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The weight and gradient the kernels walk (real, contiguous, one dtype), and the param's real view
+    when the weight is a copy of it, to be copied back after the step."""
+    weight = real_view(param.detach())
+    copy_of = None
+    if not weight.is_contiguous():  # logical row-major order: strided params go through one copy
+        weight, copy_of = weight.contiguous(), weight
+    g = real_view(grad)
+    if g.dtype != weight.dtype or not g.is_contiguous():
+        g = g.to(weight.dtype).contiguous()
+    return weight, g, copy_of
+
+
+def _make_plan(items: Sequence[StepItem], views: list[tuple[Tensor, Tensor, Optional[Tensor]]]) -> _Plan:
+    launches: dict[tuple, list[int]] = {}
+    levels = []  # the levels code: kernels of its own per tensor (.levels), not the table's
+    for index, ((weight, g, _), (_, _, state, cfg)) in enumerate(zip(views, items)):
+        if weight.numel() == 0:
             continue
-        weight = real_view(param.detach())
-        if not weight.is_contiguous():  # logical row-major order: strided params go through one copy
-            copy = weight.contiguous()
-            copies_back.append((weight, copy))
-            weight = copy
-        g = real_view(grad)
-        if g.dtype != weight.dtype or not g.is_contiguous():
-            g = g.to(weight.dtype).contiguous()
         if cfg.code is MomentumCode.LEVELS:
-            levels_items.append((weight, g, state, cfg))
+            levels.append(index)
             continue
         # Without a first moment there are no sign bits, and every tensor takes the aligned code.
         n, m = matrix_shape(weight)
@@ -70,20 +138,17 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
         natural = momentum_cols(state, m) != m
         key = (*_config_key(cfg, weight.dtype), aligned, _vector(weight, g, state, m, 0, n * m), natural,
                cfg.code is MomentumCode.FLAG)
-        launches.setdefault(key, []).append((weight, g, state, cfg))
-    if not launches and not levels_items:
-        return None
-    bad = torch.zeros(1, dtype=torch.int32, device=items[0][0].device)
-    for (dtype, *_, stochastic, aligned, vector, natural, flag), tensors in launches.items():
+        launches.setdefault(key, []).append(index)
+    groups = []
+    for (dtype, *_, stochastic, aligned, vector, natural, flag), indices in launches.items():
+        tensors = [(views[i][0], views[i][1], items[i][2]) for i in indices]
         spans = tuple((n, m, 0, n * m, momentum_cols(state, m), flag)
-                      for (n, m), state in ((matrix_shape(w), st) for w, _, st, _ in tensors))
-        _launch(tensors, spans, bad, dtype=dtype, stochastic=stochastic, aligned=aligned, vector=vector,
-                normalize=True, natural=natural, flag=flag)
-    for weight, g, state, cfg in levels_items:
-        launch_levels(weight, g, state, cfg, bad)
-    for weight, copy in copies_back:
-        weight.copy_(copy)
-    return bad if any(cfg.zero_nonfinite for _, _, _, cfg in items) else None
+                      for (n, m), state in ((matrix_shape(w), st) for w, _, st in tensors))
+        group = _prepare(tensors, spans, has_m=items[indices[0]][3].beta1 is not None, dtype=dtype,
+                         stochastic=stochastic, aligned=aligned, vector=vector, normalize=True, natural=natural,
+                         flag=flag)
+        groups.append((group, indices[0]))
+    return _Plan(groups, levels)
 
 
 def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
@@ -119,10 +184,11 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
         m_cols = momentum_cols(state, m)
         flag = flag_pass is not None
         end = start + weight.numel()
-        _launch([(weight, grad, state, cfg)], ((n, m, start, end, m_cols, flag),), bad,
-                dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
-                aligned=aligned, vector=_vector(weight, grad, state, m, start, end), normalize=False,
-                natural=m_cols != m, flag=flag, flag_pass=flag_pass)
+        group = _prepare([(weight, grad, state)], ((n, m, start, end, m_cols, flag),), has_m=cfg.beta1 is not None,
+                         dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
+                         aligned=aligned, vector=_vector(weight, grad, state, m, start, end), normalize=False,
+                         natural=m_cols != m, flag=flag)
+        _run(group, cfg, bad, flag_pass)
     elif flag_pass is None or flag_pass.number == 1:  # nothing held: no sums to contribute
         for key in (ROW_V, COL_V) if flag_pass else (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
@@ -135,28 +201,38 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     return bad if cfg.zero_nonfinite and (flag_pass is None or flag_pass.number == 1) else None
 
 
-def _launch(
-    tensors: list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]],
-    spans: tuple[tuple[int, int, int, int, int, bool], ...],
-    bad: Tensor,
-    dtype: torch.dtype,
-    stochastic: bool,
-    aligned: bool,
-    vector: bool,
-    normalize: bool,
-    natural: bool,
-    flag: bool,
-    flag_pass: Optional[FlagPass] = None,
-) -> None:
-    """The launches of one group of tensors (module docstring). ``flag_pass``: one FSDP2 shard under the
-    magnitude flag, one of its two passes (:func:`triton_flag_shard_pass_`)."""
-    cfg = tensors[0][3]
-    has_m = cfg.beta1 is not None
+class _Group(NamedTuple):
+    """One launch set's tensors, prepared: their table on the device, its layout, and the kernels'
+    specialization."""
+
+    meta: Tensor
+    geometry: list[dict[str, int]]
+    item_tensor: Tensor
+    sums_items: Tensor
+    partial_numel: int
+    words_numel: int
+    tensors: int  # how many
+    has_m: bool
+    dtype: torch.dtype
+    stochastic: bool
+    aligned: bool
+    vector: bool
+    normalize: bool
+    natural: bool
+    flag: bool
+    shard: bool
+
+
+def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]], spans: tuple[tuple[int, int, int, int, int, bool], ...],
+             has_m: bool, dtype: torch.dtype, stochastic: bool, aligned: bool, vector: bool, normalize: bool,
+             natural: bool, flag: bool) -> _Group:
+    """The table of one group of (weight, gradient, state) and where it lies on the device (module
+    docstring)."""
     device = tensors[0][0].device
     geometry, item_tensor, sums_items, partial_numel, words_numel = layout(spans, has_m, device, tables.BLOCK_COLS,
                                                                            tables.BAND_ROWS)
     table = []
-    for (weight, g, state, _), geo in zip(tensors, geometry):
+    for (weight, g, state), geo in zip(tensors, geometry):
         row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
         if has_m:
             signs, row_m, col_m = state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()
@@ -171,15 +247,25 @@ def _launch(
     assert len(table) == len(tensors) * META_COLUMNS.value, "the table's rows and the kernels' META_COLUMNS disagree"
     meta = torch.tensor(table, dtype=torch.int64)
     meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
-    partial = torch.empty(partial_numel, dtype=torch.float32, device=device)
-    words = torch.zeros(max(words_numel, 1), dtype=torch.int32, device=device)
+    return _Group(meta, geometry, item_tensor, sums_items, partial_numel, words_numel, len(tensors), has_m, dtype,
+                  stochastic, aligned, vector, normalize, natural, flag,
+                  shard=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans))
+
+
+def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPass] = None) -> None:
+    """The launches of one prepared group (module docstring), with ``cfg``'s scalars. ``flag_pass``: one
+    FSDP2 shard under the magnitude flag, one of its two passes (:func:`triton_flag_shard_pass_`)."""
+    meta, geometry, flag, normalize = group.meta, group.geometry, group.flag, group.normalize
+    device = meta.device
+    partial = torch.empty(group.partial_numel, dtype=torch.float32, device=device)
+    words = torch.zeros(max(group.words_numel, 1), dtype=torch.int32, device=device)
     blocks = dict(BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS)
     cap = dict(maxnreg=tables.MAX_REGISTERS) if tables.MAX_REGISTERS else {}  # the step kernel's
     finish = dict(BLOCK=256, KB=16, COPY_BLOCK=4096, FLAG=flag, num_warps=8)
     shard_pass = None if flag_pass is None else flag_pass.number
-    if (natural or flag) and shard_pass != 1:  # |M|'s sums in M's own view, before the step kernel's writes
-        momentum_sums_kernel[(sums_items.numel(),)](
-            meta, sums_items, partial, cfg.beta1, *cfg.folded(), W_DTYPE=_TL_DTYPES[dtype],
+    if (group.natural or flag) and shard_pass != 1:  # |M|'s sums in M's own view, before the step kernel's writes
+        momentum_sums_kernel[(group.sums_items.numel(),)](
+            meta, group.sums_items, partial, cfg.beta1, *cfg.folded(), W_DTYPE=_TL_DTYPES[group.dtype],
             ZERO_BAD=cfg.zero_nonfinite, FLAG=flag, **blocks,
         )
     if flag:  # the new factors of |M| in the partial buffer: the step kernel encodes against them
@@ -188,25 +274,25 @@ def _launch(
             partial[new_m : new_m + m_rows].copy_(flag_pass.new_row_m)
             partial[new_m + m_rows : new_m + m_rows + m_cols].copy_(flag_pass.new_col_m)
         else:
-            finish_kernel[(len(tensors), 1)](meta, partial, words, COPIERS=1, NORMALIZE=normalize, FIRST=1,
-                                              MOMENTS=1, TO_SCRATCH=True, **finish)
+            finish_kernel[(group.tensors, 1)](meta, partial, words, COPIERS=1, NORMALIZE=normalize, FIRST=1,
+                                             MOMENTS=1, TO_SCRATCH=True, **finish)
         if flag_pass is not None and shard_pass == 0:  # this shard's raw sums, for the caller to add up
             flag_pass.new_row_m.copy_(partial[new_m : new_m + m_rows])
             flag_pass.new_col_m.copy_(partial[new_m + m_rows : new_m + m_rows + m_cols])
             return
-    step_kernel[(item_tensor.numel(),)](
-        meta, item_tensor, partial, words, bad,
-        cfg.lr, cfg.beta1 if has_m else 0.0, cfg.beta2, cfg.eps,
+    step_kernel[(group.item_tensor.numel(),)](
+        meta, group.item_tensor, partial, words, bad,
+        cfg.lr, cfg.beta1 if group.has_m else 0.0, cfg.beta2, cfg.eps,
         *cfg.folded(),
-        int(torch.randint(0, 2**30, ()).item()) if stochastic else 0,
-        W_DTYPE=_TL_DTYPES[dtype], HAS_M=has_m, ALIGNED=aligned, VECTOR=vector and tables.VECTOR_HINTS,
-        SHARD=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans), STAGES=tables.PIPELINE_STAGES,
+        int(torch.randint(0, 2**30, ()).item()) if group.stochastic else 0,
+        W_DTYPE=_TL_DTYPES[group.dtype], HAS_M=group.has_m, ALIGNED=group.aligned,
+        VECTOR=group.vector and tables.VECTOR_HINTS, SHARD=group.shard, STAGES=tables.PIPELINE_STAGES,
         PREFETCH=tables.PREFETCH, ASM_STORES=tables.ASM_STORES and not _interpreted(),
-        STOCHASTIC=stochastic, ZERO_BAD=cfg.zero_nonfinite, NATURAL=natural, FLAG=flag, **blocks, **cap,
+        STOCHASTIC=group.stochastic, ZERO_BAD=cfg.zero_nonfinite, NATURAL=group.natural, FLAG=flag, **blocks, **cap,
     )
-    copiers = 0 if aligned else tables.COPY_PROGRAMS
-    moments = 2 if has_m and not flag else 1  # the flag's M is finished already
-    finish_kernel[(len(tensors), moments + copiers)](
+    copiers = 0 if group.aligned else tables.COPY_PROGRAMS
+    moments = 2 if group.has_m and not flag else 1  # the flag's M is finished already
+    finish_kernel[(group.tensors, moments + copiers)](
         meta, partial, words, COPIERS=max(copiers, 1), NORMALIZE=normalize, FIRST=0, MOMENTS=moments,
         TO_SCRATCH=False, **finish,
     )
@@ -214,7 +300,7 @@ def _launch(
         items, at = geometry[0]["tiles"] * geometry[0]["bands"], geometry[0]["level_sums_at"]
         flag_pass.level_sums.copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
     elif flag:
-        flag_finish_kernel[(len(tensors),)](meta, partial, BLOCK=256, num_warps=4)
+        flag_finish_kernel[(group.tensors,)](meta, partial, BLOCK=256, num_warps=4)
 
 
 def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Optional[Tensor]:
