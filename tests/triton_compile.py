@@ -52,7 +52,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
             continue  # 16-byte rows are whole sign bytes
         consts = dict(W_DTYPE=dtype, HAS_M=has_m, ALIGNED=aligned, VECTOR=vector, SHARD=shard,
                       STOCHASTIC=dtype == tl.bfloat16, ZERO_BAD=True, NATURAL=natural, FLAG=flag,
-                      STAGES=table.PIPELINE_STAGES, PREFETCH=table.PREFETCH, ASM_STORES=table.ASM_STORES, **TILES)
+                      STAGES=table.PIPELINE_STAGES, PREFETCH=table.PREFETCH, **TILES)
         label = f"step {dtype} m={has_m} aligned={aligned} vector={vector} shard={shard} natural={natural} flag={flag}"
         out.append((label, step.step_kernel, STEP_ARGS, consts, table.WARPS))
     for flag in (False, True):

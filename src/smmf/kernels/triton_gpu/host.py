@@ -3,7 +3,6 @@ built by field name, and the launches in order (:mod:`smmf.kernels.triton_gpu`'s
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -27,11 +26,6 @@ def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _interpreted() -> bool:
-    """Whether Triton runs the kernels in its CPU interpreter, which executes no inline PTX."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _vector(weight: Tensor, grad: Tensor, state: dict[str, Any], m: int, lo: int, hi: int) -> bool:
@@ -87,7 +81,7 @@ class _Plan(NamedTuple):
 
 
 _PLANS: dict[tuple, _Plan] = {}  # by signature, oldest first
-_PLANS_KEPT = 8  # a few models, or the step inside backward's groups of params, each with its own plan
+_PLANS_KEPT = 1024  # the step inside backward launches each param alone: a plan per param
 
 
 def _signature(items: Sequence[StepItem]) -> Optional[tuple]:
@@ -287,7 +281,7 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         int(torch.randint(0, 2**30, ()).item()) if group.stochastic else 0,
         W_DTYPE=_TL_DTYPES[group.dtype], HAS_M=group.has_m, ALIGNED=group.aligned,
         VECTOR=group.vector and tables.VECTOR_HINTS, SHARD=group.shard, STAGES=tables.PIPELINE_STAGES,
-        PREFETCH=tables.PREFETCH, ASM_STORES=tables.ASM_STORES and not _interpreted(),
+        PREFETCH=tables.PREFETCH,
         STOCHASTIC=group.stochastic, ZERO_BAD=cfg.zero_nonfinite, NATURAL=group.natural, FLAG=flag, **blocks, **cap,
     )
     copiers = 0 if group.aligned else tables.COPY_PROGRAMS

@@ -34,15 +34,15 @@ from .table import (
     T_LEVEL_SUMS_AT,
     T_FLAG_WORDS_AT,
 )
-from .tiles import (store_in_layout, bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, pack_bits, row_sums, unpack_bits,
+from .tiles import (bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, pack_bits, row_sums, unpack_bits,
                     work_item)
 
 
 @triton.jit
-def store_row_sums(ptr, x, row_ok, BR: tl.constexpr, ASM: tl.constexpr):
-    """A (BR, BC/8, 8) tile's row sums into ``ptr[0 .. BR)``, kept in the tile's own layout."""
+def store_row_sums(ptr, x, row_ok, BR: tl.constexpr):
+    """A (BR, BC/8, 8) tile's row sums into ``ptr[0 .. BR)``."""
     sums = tl.sum(tl.sum(x, axis=2, keep_dims=True), axis=1, keep_dims=True)
-    store_in_layout(ptr + tl.arange(0, BR)[:, None, None], sums, row_ok[:, None, None], ASM)
+    tl.store(ptr + tl.arange(0, BR)[:, None, None], sums, mask=row_ok[:, None, None])
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
                 seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, VECTOR: tl.constexpr,
                 SHARD: tl.constexpr, STOCHASTIC: tl.constexpr, ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr,
                 FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr, STAGES: tl.constexpr,
-                PREFETCH: tl.constexpr = False, ASM_STORES: tl.constexpr = False):
+                PREFETCH: tl.constexpr = False):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
     laid out per tensor as [V rows: tiles×n][V cols: bands×m][M rows][M cols] (:func:`~smmf.kernels.triton_gpu.table.layout`);
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
@@ -202,14 +202,14 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         v = beta2 * (rv[:, None, None] * cv) + (1.0 - beta2) * (g * g)
         v = tl.where(ok, v, 0.0)
         v_capped = tl.where(v > cap, cap, v)
-        store_row_sums(part + tile * n + r0, v_capped, row_ok, BR, ASM_STORES)
+        store_row_sums(part + tile * n + r0, v_capped, row_ok, BR)
         acc_v += v_capped
         if HAS_M:
             byte_offs, byte_ok = byte_geometry(base, start0, held_lo, held_hi, m32, tile, row_ok, SHARD, BR, BC)
             mm = momentum(g, bits, flag_bits, magnitude, high, low, beta1, FLAG)
             mm = tl.where(ok, mm, 0.0)
             pack_bits(signs_ptr, words, ((mm >= 0) & ok).to(tl.int32), byte_offs, byte_ok, rows, tile, m, held_lo,
-                      row_ok, ALIGNED, BR, BC, ASM_STORES)
+                      row_ok, ALIGNED, BR, BC)
             if FLAG:  # encode against the new factors: F = [|M| > R], and the least-squares sums
                 estimate = factor_product(new_row_m, new_col_m, new_cm, rows, row_ok, start0 + offs, ok, m_cols,
                                           NATURAL)
@@ -219,11 +219,11 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
                 fit_low += d_fit_low
                 energy_low += d_energy_low
                 pack_bits(flags_ptr, flag_words, above.to(tl.int32), byte_offs, byte_ok, rows, tile, m, held_lo,
-                          row_ok, ALIGNED, BR, BC, ASM_STORES)
+                          row_ok, ALIGNED, BR, BC)
             if not NATURAL and not FLAG:  # (else momentum_sums_kernel made |M|'s sums in M's view)
                 a = tl.abs(mm)
                 a = tl.where(a > cap, cap, a)
-                store_row_sums(m_part + tile * n + r0, a, row_ok, BR, ASM_STORES)
+                store_row_sums(m_part + tile * n + r0, a, row_ok, BR)
                 acc_m += a
             u = mm / (tl.sqrt(v) + eps)
         else:

@@ -12,18 +12,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# The step kernel's geometry (docs/gpu.md): tiles of 8 × 128 on 8 warps, so that each warp holds one
-# row of a tile (4 elements a thread) and a row's sums never leave its warp; each iteration issues the
-# next tile's loads before it computes (PREFETCH), and the small stores (row sums, sign bytes) are made
-# from the layout the values are in (ASM_STORES): the loop then has no barrier, and each warp runs on its
-# own. A cap of 80 registers a thread lets three programs share an SM. BLOCK_COLS is a multiple of 32
-# (the unaligned sign path packs 32 bits at a time). The earlier geometry, timed against it by
-# benchmarks/gpu_tune.py: Triton's software pipelining of w and g through shared memory, 3 stages.
+# The step kernel's geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of 8 × 128
+# on 8 warps, so that each warp holds one row of a tile (4 elements a thread) and a row's sums stay in its
+# warp; each iteration issues the next tile's loads into registers before it computes (PREFETCH; Triton's
+# own pipelining, PIPELINE_STAGES > 1, stages only w and g, through shared memory, and leaves the sign
+# bytes' load in the loop). A cap of 80 registers a thread lets three programs share an SM. BLOCK_COLS is
+# a multiple of 32 (the unaligned sign path packs 32 bits at a time).
 BLOCK_ROWS, BLOCK_COLS, WARPS = 8, 128, 8
 BAND_ROWS = 256
 PIPELINE_STAGES = 1  # tiles in flight per program by Triton's pipelining (the step kernel's STAGES)
 PREFETCH = True  # the next tile's loads into registers, before this tile is computed
-ASM_STORES = False  # small stores without a layout change by inline PTX: slower on an H200 (docs/gpu.md)
 MAX_REGISTERS: Optional[int] = 80  # per thread (ptxas's maxnreg); None: the compiler's choice
 # Whether launches whose tensors pass host.py's _vector check tell the step kernel so (16-byte loads
 # and stores).

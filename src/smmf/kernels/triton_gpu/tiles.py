@@ -42,25 +42,6 @@ def bf16_rounded(x, seed, offsets, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def store_in_layout(ptr, value, mask, ASM: tl.constexpr):
-    """``tl.store`` of 4-byte or 1-byte values from the layout the values are in. Triton's coalescing pass
-    gives a small store (a tile's row sums, its sign bytes) a layout of its own, and moving the values there
-    costs a trip through shared memory and two barriers per store; with ``ASM`` (compiled, not the
-    interpreter) each thread stores what it holds, copies held by several threads at the same address."""
-    if ASM:
-        if value.dtype.primitive_bitwidth == 8:
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
-                                      "=r,l,r,r", [ptr, value.to(tl.int32), mask.to(tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
-                                      "=r,l,r,r", [ptr, value.to(tl.int32, bitcast=True), mask.to(tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(ptr, value, mask=mask)
-
-
-@triton.jit
 def or_bits(words, bits, rows, tile, m, held_lo, row_ok, BR: tl.constexpr, BC: tl.constexpr):
     """OR a tile's 0/1 ``bits`` (BR, BC/8, 8) into the int32 ``words`` that hold the bits of elements
     lo .. hi: bits of row i, columns [c, c + 32) land at bits start + [0, 32), i.e. in two words."""
@@ -132,12 +113,12 @@ def unpack_bits(ptr, byte_offs, byte_ok, k, ok, ALIGNED: tl.constexpr):
 
 @triton.jit
 def pack_bits(ptr, words, values, byte_offs, byte_ok, rows, tile, m, held_lo, row_ok, ALIGNED: tl.constexpr,
-              BR: tl.constexpr, BC: tl.constexpr, ASM: tl.constexpr = False):
+              BR: tl.constexpr, BC: tl.constexpr):
     """Store a tile's 0/1 int32 ``values`` as packed bits: whole bytes (``ALIGNED``), or ORed into the
     int32 scratch ``words`` (:func:`or_bits`) that the finish kernel copies back."""
     if ALIGNED:
         bit = tl.arange(0, 8)[None, None, :]
-        store_in_layout(ptr + byte_offs, tl.sum(values << bit, axis=2, keep_dims=True).to(tl.uint8), byte_ok, ASM)
+        tl.store(ptr + byte_offs, tl.sum(values << bit, axis=2, keep_dims=True).to(tl.uint8), mask=byte_ok)
     else:
         or_bits(words, values, rows, tile, m, held_lo, row_ok, BR, BC)
 
