@@ -62,7 +62,8 @@ if wanted study; then
 fi
 # The bench and profile stages run under the tune's fastest candidate that matched the torch path, or
 # under the committed geometry where no tune ran.
-[[ -f "$OUT/best.json" ]] || echo '{"name": "committed", "settings": {}}' > "$OUT/best.json"
+# (A call that runs no tune keeps a best.json an earlier stage of it wrote, else takes the committed one.)
+if wanted tune || [[ ! -f "$OUT/best.json" ]]; then echo '{"name": "committed", "settings": {}}' > "$OUT/best.json"; fi
 if wanted tune; then
   stage tune  # two JSON documents, fp32 then bf16
   { timeout "${TUNE_S:-150}" python3 benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B --dtypes float32 \

@@ -194,6 +194,51 @@ def run_plans(device: str) -> None:
     print(f"{device} plans kept and renewed: OK")
 
 
+def run_plans_follow_configs(device: str) -> None:
+    """A kept plan groups by the configs' values as the launches do: a complex param and a real one whose
+    equal configs (two objects, as two param groups make) share a launch are planned apart once the
+    configs differ; stochastic rounding, which a plan bakes in, is part of the signature."""
+    from smmf.kernels.triton_gpu import host, triton_steps_
+
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn((16, 12), generator=gen, dtype=torch.complex64).to(device),
+              torch.randn((16, 24), generator=gen).to(device)]
+    grads = [torch.empty_like(p) for p in params]
+    states = [init_state(p, {"beta": 0.9, "vector_reshape": True}) for p in params]
+
+    def config(lr: float, stochastic: bool = False) -> StepConfig:
+        return StepConfig(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                          maximize=False, stochastic_rounding=stochastic, code=MomentumCode.SIGN)
+
+    host._PLANS.clear()
+    try:
+        for step in (1, 2):
+            items, expected = [], []
+            for p, g, st, cfg in zip(params, grads, states, (config(1e-2), config(1e-2 if step == 1 else 5e-2))):
+                g.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device))
+                ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                torch_step_(ref_p, g, ref_st, cfg)
+                expected.append((ref_p, ref_st))
+                items.append((p, g, st, cfg))
+            triton_steps_(items)
+            assert len(host._PLANS) == step, (step, len(host._PLANS))
+            for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
+                torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-5)
+                _same_code(st, ref_st, cfg)
+                p.copy_(ref_p)
+                for key, value in ref_st.items():
+                    if isinstance(value, torch.Tensor):
+                        st[key].copy_(value)
+        w = torch.zeros(64, 32, dtype=torch.bfloat16, device=device)
+        state = init_state(w, {"beta": 0.9, "vector_reshape": True})
+        g = torch.zeros_like(w)
+        nearest, stochastic = ([(w, g, state, config(1e-2, sr))] for sr in (False, True))
+        assert host._signature(nearest) != host._signature(stochastic)
+    finally:
+        host._PLANS.clear()
+    print(f"{device} plans follow the configs: OK")
+
+
 def run_shards(device: str) -> None:
     """FSDP2 shards on the Triton kernel: pieces of a matrix (partial rows, starts on and off a sign
     byte, an empty piece), their raw sums added up, equal the step of the whole matrix; M in V's
@@ -427,7 +472,8 @@ def main() -> int:
               for dtype in [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])]
     checks += [partial(run_levels_stochastic, device), partial(run_levels_shards, device),
                partial(run_huge_flag, device), partial(run_flag_shards, device),
-               partial(run_shards, device), partial(run_batched, device), partial(run_plans, device)]
+               partial(run_shards, device), partial(run_batched, device), partial(run_plans, device),
+               partial(run_plans_follow_configs, device)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:
         for beta, maximize, wd, decoupled, shape, bits in [

@@ -54,8 +54,8 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
         views = [_views(param, grad) for param, grad, _, _ in items]
         plan = _make_plan(items, views)
         if signature is not None:
-            if len(_PLANS) >= _PLANS_KEPT:
-                _PLANS.pop(next(iter(_PLANS)))
+            if len(_PLANS) >= _PLANS_KEPT:  # the oldest goes (tolerant of another thread's step)
+                _PLANS.pop(next(iter(_PLANS), ()), None)
             _PLANS[signature] = plan
     if not plan.groups and not plan.levels:
         return None
@@ -86,10 +86,11 @@ _PLANS_KEPT = 1024  # the step inside backward launches each param alone: a plan
 
 def _signature(items: Sequence[StepItem]) -> Optional[tuple]:
     """What decides a step's plan: every param's and gradient's address, shape and dtype, every state
-    tensor's address and size, which items' configs are equal (a plan launches a group with one item's
-    config), and the tile geometry. None when some param or gradient needs a copy first (strided, or a
+    tensor's name, address and size, which items' configs are equal (a plan launches a group with one
+    item's config) and what of them it bakes in (stochastic rounding, a first moment, the code of M), and
+    the tile geometry. None when some param or gradient needs a copy first (strided, or a
     gradient of another dtype): that step is planned for itself alone."""
-    classes: dict[tuple[int, torch.dtype], int] = {}
+    classes: dict[tuple[int, torch.dtype], tuple] = {}
     values: dict[tuple, int] = {}
     entries = []
     for param, grad, state, cfg in items:
@@ -97,10 +98,13 @@ def _signature(items: Sequence[StepItem]) -> Optional[tuple]:
             return None
         kind = classes.get((id(cfg), param.dtype))
         if kind is None:
-            kind = classes[(id(cfg), param.dtype)] = values.setdefault(
-                (*_config_key(cfg, param.dtype), cfg.code), len(values))
+            # Equal configs by the key the plan groups by (the real view's dtype: a complex param and a
+            # real one share a launch), with what the plan bakes in taken as values.
+            key = _config_key(cfg, real_view(param).dtype)
+            kind = classes[(id(cfg), param.dtype)] = (values.setdefault(key, len(values)), key[-1],
+                                                      cfg.beta1 is None, cfg.code)
         entries.append((kind, param.data_ptr(), param.shape, param.dtype, grad.data_ptr(),
-                        *[(t.data_ptr(), t.numel()) for t in state.values() if isinstance(t, Tensor)]))
+                        *[(name, t.data_ptr(), t.numel()) for name, t in state.items() if isinstance(t, Tensor)]))
     return (tables.BLOCK_COLS, tables.BAND_ROWS, *entries)
 
 
@@ -215,6 +219,7 @@ class _Group(NamedTuple):
     natural: bool
     flag: bool
     shard: bool
+    stream: Optional[torch.cuda.Stream]  # the CUDA stream its table was copied on (None on CPU)
 
 
 def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]], spans: tuple[tuple[int, int, int, int, int, bool], ...],
@@ -240,10 +245,12 @@ def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]], spans: tuple[
     # until the copy is done.
     assert len(table) == len(tensors) * META_COLUMNS.value, "the table's rows and the kernels' META_COLUMNS disagree"
     meta = torch.tensor(table, dtype=torch.int64)
-    meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
+    cuda = device.type == "cuda"
+    meta = meta.pin_memory().to(device, non_blocking=True) if cuda else meta
     return _Group(meta, geometry, item_tensor, sums_items, partial_numel, words_numel, len(tensors), has_m, dtype,
                   stochastic, aligned, vector, normalize, natural, flag,
-                  shard=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans))
+                  shard=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans),
+                  stream=torch.cuda.current_stream(device) if cuda else None)
 
 
 def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPass] = None) -> None:
@@ -251,6 +258,13 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
     FSDP2 shard under the magnitude flag, one of its two passes (:func:`triton_flag_shard_pass_`)."""
     meta, geometry, flag, normalize = group.meta, group.geometry, group.flag, group.normalize
     device = meta.device
+    if group.stream is not None and torch.cuda.current_stream(device) != group.stream:
+        # A kept plan on another stream than it was made on: its table's copy must be done before the
+        # launches read it, and the allocator must not reuse the table's memory before they are done.
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(group.stream)
+        for tensor in (meta, group.item_tensor, group.sums_items):
+            tensor.record_stream(current)
     partial = torch.empty(group.partial_numel, dtype=torch.float32, device=device)
     words = torch.zeros(max(group.words_numel, 1), dtype=torch.int32, device=device)
     blocks = dict(BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS)
