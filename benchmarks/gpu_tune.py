@@ -100,10 +100,12 @@ def check(candidate: dict[str, Any], device: str = "cuda") -> str:
     return ""
 
 
-def time_set(set_name: str, dtype: torch.dtype, repeats: int, device: str = "cuda") -> dict[str, Any]:
+def time_set(set_name: str, dtype: torch.dtype, repeats: int, refused: dict[str, str],
+             device: str = "cuda") -> dict[str, Any]:
+    """Every candidate but the ``refused`` ones (by :func:`check`) timed on one shape set and dtype."""
     params = make_params(SHAPE_SETS[set_name](), device=device, dtype=dtype)
     steps: dict[str, Callable[[], object]] = {}
-    failed = {name: reason for name, reason in ((name, check(c)) for name, c in CANDIDATES.items()) if reason}
+    failed = dict(refused)
     adamw = torch.optim.AdamW(params, lr=1e-6, fused=True)
     steps[ADAMW] = adamw.step
     for name, candidate in CANDIDATES.items():
@@ -139,9 +141,11 @@ def main() -> None:
     args = parser.parse_args()
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bytes_per_second": copy_bandwidth("cuda"),
                                "candidates": CANDIDATES, "default": DEFAULT, "sets": {}}
+    refused = {name: reason for name, reason in ((name, check(c)) for name, c in CANDIDATES.items()) if reason}
     for dtype_name in args.dtypes.split(","):
         for set_name in args.sets.split(","):
-            results["sets"][f"{set_name} {dtype_name}"] = time_set(set_name, getattr(torch, dtype_name), args.repeats)
+            results["sets"][f"{set_name} {dtype_name}"] = time_set(set_name, getattr(torch, dtype_name), args.repeats,
+                                                                   refused)
             torch.cuda.empty_cache()
             print(json.dumps({set_name: results["sets"][f"{set_name} {dtype_name}"]["ms"]}), file=sys.stderr, flush=True)
     print(json.dumps(results, indent=2))

@@ -142,12 +142,35 @@ def run_batched(device: str) -> None:
     print(f"{device} batched launch of {len(shapes)} tensors: OK")
 
 
+def _steps_against_torch(device: str, params: list, grads: list, states: list, configs: list,
+                         gen: torch.Generator) -> None:
+    """One :func:`triton_steps_` call over these tensors, from fresh gradients in the given buffers, equal to
+    each one's torch-path step; then each holds the torch path's values again, in place (addresses kept)."""
+    from smmf.kernels.triton_gpu import triton_steps_
+
+    items, expected = [], []
+    for p, g, st, cfg in zip(params, grads, states, configs):
+        g.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device))
+        ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+        torch_step_(ref_p, g, ref_st, cfg)
+        expected.append((ref_p, ref_st))
+        items.append((p, g, st, cfg))
+    triton_steps_(items)
+    for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
+        torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-5)
+        _same_code(st, ref_st, cfg)
+        p.copy_(ref_p)
+        for key, value in ref_st.items():
+            if isinstance(value, torch.Tensor):
+                st[key].copy_(value)
+
+
 def run_plans(device: str) -> None:
     """A step whose params, gradient buffers and state tensors are where the last step's were, with the
     same configs equal, takes the last step's plan (no table built again); a step after a state tensor or
     a gradient buffer moved, or after two configs stopped being equal, is planned anew. Every step equals
     the torch path's."""
-    from smmf.kernels.triton_gpu import host, triton_steps_
+    from smmf.kernels.triton_gpu import host
 
     gen = torch.Generator().manual_seed(2)
     shapes = [(64, 48), (31, 9), (768,)]
@@ -166,28 +189,15 @@ def run_plans(device: str) -> None:
                 states[0]["row_v"] = moved.clone()
             if step == 5:
                 grads[1] = torch.empty_like(params[1])
-            items, expected = [], []
-            for i, (p, g, st) in enumerate(zip(params, grads, states)):
-                lr = 1e-2 if i < 2 or step < 3 else 3e-2  # the third param's config differs from step 3 on
-                cfg = StepConfig(lr=lr, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
-                                 weight_decay=0.0, decoupled_weight_decay=True, maximize=False,
-                                 stochastic_rounding=False, code=MomentumCode.SIGN)
-                g.copy_(torch.randn(p.shape, generator=gen).to(device))
-                ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-                torch_step_(ref_p, g, ref_st, cfg)
-                expected.append((ref_p, ref_st))
-                items.append((p, g, st, cfg))
+            # the third param's config differs from step 3 on
+            configs = [StepConfig(lr=1e-2 if i < 2 or step < 3 else 3e-2, beta1=beta1_at(0.9, 0.999, step),
+                                  beta2=beta2_at(-0.8, step), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                                  maximize=False, stochastic_rounding=False, code=MomentumCode.SIGN)
+                       for i in range(len(params))]
             prepared.clear()
-            triton_steps_(items)
+            _steps_against_torch(device, params, grads, states, configs, gen)
             assert len(host._PLANS) == plans_after, (step, len(host._PLANS))
             assert (len(prepared) == 0) == (step == 2), (step, len(prepared))  # step 2 takes step 1's plan
-            for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
-                torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-5)
-                _same_code(st, ref_st, cfg)
-                p.copy_(ref_p)  # continue from identical inputs, in the same tensors
-                for key, value in ref_st.items():
-                    if isinstance(value, torch.Tensor):
-                        st[key].copy_(value)
     finally:
         host._prepare = real_prepare
         host._PLANS.clear()
@@ -198,7 +208,7 @@ def run_plans_follow_configs(device: str) -> None:
     """A kept plan groups by the configs' values as the launches do: a complex param and a real one whose
     equal configs (two objects, as two param groups make) share a launch are planned apart once the
     configs differ; stochastic rounding, which a plan bakes in, is part of the signature."""
-    from smmf.kernels.triton_gpu import host, triton_steps_
+    from smmf.kernels.triton_gpu import host
 
     gen = torch.Generator().manual_seed(3)
     params = [torch.randn((16, 12), generator=gen, dtype=torch.complex64).to(device),
@@ -213,22 +223,9 @@ def run_plans_follow_configs(device: str) -> None:
     host._PLANS.clear()
     try:
         for step in (1, 2):
-            items, expected = [], []
-            for p, g, st, cfg in zip(params, grads, states, (config(1e-2), config(1e-2 if step == 1 else 5e-2))):
-                g.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device))
-                ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-                torch_step_(ref_p, g, ref_st, cfg)
-                expected.append((ref_p, ref_st))
-                items.append((p, g, st, cfg))
-            triton_steps_(items)
+            configs = [config(1e-2), config(1e-2 if step == 1 else 5e-2)]
+            _steps_against_torch(device, params, grads, states, configs, gen)
             assert len(host._PLANS) == step, (step, len(host._PLANS))
-            for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
-                torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-5)
-                _same_code(st, ref_st, cfg)
-                p.copy_(ref_p)
-                for key, value in ref_st.items():
-                    if isinstance(value, torch.Tensor):
-                        st[key].copy_(value)
         w = torch.zeros(64, 32, dtype=torch.bfloat16, device=device)
         state = init_state(w, {"beta": 0.9, "vector_reshape": True})
         g = torch.zeros_like(w)

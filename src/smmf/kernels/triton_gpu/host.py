@@ -64,7 +64,7 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
         _run(group, items[index][3], bad)
     for index in plan.levels:
         param, grad, state, cfg = items[index]
-        weight, g, _ = views[index] if views is not None else (real_view(param.detach()), real_view(grad), None)
+        weight, g, _ = views[index] if views is not None else _views(param, grad)
         launch_levels(weight, g, state, cfg, bad)
     for weight, g, copy_of in views or ():
         if copy_of is not None:
@@ -222,7 +222,8 @@ class _Group(NamedTuple):
     stream: Optional[torch.cuda.Stream]  # the CUDA stream its table was copied on (None on CPU)
 
 
-def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]], spans: tuple[tuple[int, int, int, int, int, bool], ...],
+def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]],
+             spans: tuple[tuple[int, int, int, int, int, bool], ...],
              has_m: bool, dtype: torch.dtype, stochastic: bool, aligned: bool, vector: bool, normalize: bool,
              natural: bool, flag: bool) -> _Group:
     """The table of one group of (weight, gradient, state) and where it lies on the device (module

@@ -61,9 +61,9 @@ def tile_geometry(r0, last_row, m, m32, held_lo, held_hi, cols, col_ok, SHARD: t
 
 
 @triton.jit
-def tile_loads(r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr, flags_ptr,
-               row_m_ptr, col_m_ptr, cm, m_cols, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, SHARD: tl.constexpr,
-               NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def tile_loads(r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr,
+               flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M: tl.constexpr, ALIGNED: tl.constexpr,
+               SHARD: tl.constexpr, NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """What the step reads for the tile from row ``r0``: w and g as stored, V's row factors, the sign and flag
     bits (0/1) and M's factor product r cᵀ (0 without a first moment). Rows past ``last_row`` read nothing."""
     rows, row_ok, start0, base, offs, ok = tile_geometry(r0, last_row, m, m32, held_lo, held_hi, cols, col_ok, SHARD,
@@ -182,16 +182,18 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     for r0 in tl.range(first_row, last_row, BR, num_stages=STAGES):
         rows, row_ok, start0, base, offs, ok = tile_geometry(r0, last_row, m, m32, held_lo, held_hi, cols, col_ok,
                                                              SHARD, BR)
-        if PREFETCH:
+        loaded_w, loaded_g, loaded_rv, loaded_bits, loaded_flag_bits, loaded_magnitude = tile_loads(
+            r0 + BR if PREFETCH else r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr,
+            row_v_ptr, signs_ptr, flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M, ALIGNED, SHARD, NATURAL, FLAG,
+            BR, BC)
+        if PREFETCH:  # this tile's, loaded last iteration; the next tile's are in flight
             w_raw, g_raw, rv, bits, flag_bits, magnitude = (next_w, next_g, next_rv, next_bits, next_flag_bits,
                                                             next_magnitude)
-            next_w, next_g, next_rv, next_bits, next_flag_bits, next_magnitude = tile_loads(
-                r0 + BR, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr,
-                flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M, ALIGNED, SHARD, NATURAL, FLAG, BR, BC)
+            next_w, next_g, next_rv, next_bits, next_flag_bits, next_magnitude = (
+                loaded_w, loaded_g, loaded_rv, loaded_bits, loaded_flag_bits, loaded_magnitude)
         else:
-            w_raw, g_raw, rv, bits, flag_bits, magnitude = tile_loads(
-                r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr,
-                flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M, ALIGNED, SHARD, NATURAL, FLAG, BR, BC)
+            w_raw, g_raw, rv, bits, flag_bits, magnitude = (loaded_w, loaded_g, loaded_rv, loaded_bits,
+                                                            loaded_flag_bits, loaded_magnitude)
         w = w_raw.to(tl.float32) * shrink
         g = g_raw.to(tl.float32) * gsign
         finite = tl.abs(g) <= FP32_MAX  # False for NaN
