@@ -3,7 +3,11 @@ launches replaced by no-ops, so what is timed is the optimizer's Python and the 
 (grouping, tables, plans) — what a GPU waits on when it runs the step faster than Python issues it.
 
     python benchmarks/host_time.py --sets gpt2-xl-1.3B,resnet50,gpt2-52M
+    python benchmarks/host_time.py --recommended          # SMMF(**smmf.RECOMMENDED): the levels code's launches
     PYTHONPATH=<other checkout>/src python benchmarks/host_time.py   # another commit, for an A/B
+
+Besides the host's milliseconds it counts the Triton launches of a step (each costs the host a few
+microseconds more on a GPU, which CPU tensors do not show).
 """
 
 from __future__ import annotations
@@ -16,17 +20,26 @@ from typing import Any
 import torch
 
 import smmf.optimizer as optimizer
-from smmf import SMMF
+from smmf import RECOMMENDED, SMMF
 from smmf.bench.bench import SHAPE_SETS
 from smmf.bench.shapes import make_params
-from smmf.kernels.triton_gpu import host
+from smmf.kernels.triton_gpu import host, levels
+
+KERNELS = ("step_kernel", "finish_kernel", "momentum_sums_kernel", "flag_finish_kernel", "v_sums_kernel",
+           "levels_step_kernel")
 
 
 class _NoLaunch:
-    """A Triton kernel's stand-in: ``kernel[grid](...)`` does nothing."""
+    """A Triton kernel's stand-in: ``kernel[grid](...)`` only counts the launch."""
+
+    launches = 0
 
     def __getitem__(self, grid: Any) -> Any:
-        return lambda *args, **kwargs: None
+        return self._launch
+
+    @classmethod
+    def _launch(cls, *args: Any, **kwargs: Any) -> None:
+        cls.launches += 1
 
 
 class _TritonOnCpu:
@@ -42,25 +55,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", default="gpt2-xl-1.3B,resnet50,gpt2-52M")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--recommended", action="store_true", help="SMMF(**smmf.RECOMMENDED), not the paper's code")
     args = parser.parse_args()
-    for name in ("step_kernel", "finish_kernel", "momentum_sums_kernel", "flag_finish_kernel"):
-        setattr(host, name, _NoLaunch())
+    for module in (host, levels):  # (where each commit keeps them)
+        for name in KERNELS:
+            if hasattr(module, name):
+                setattr(module, name, _NoLaunch())
     backend = _TritonOnCpu()
     optimizer.step_kernel = lambda *args: backend  # every param to the batched Triton host path
     for set_name in args.sets.split(","):
         params = make_params(SHAPE_SETS[set_name](), device="cpu", dtype=torch.float32)
-        opt = SMMF(params, lr=1e-3)
+        opt = SMMF(params, lr=1e-3, **(RECOMMENDED if args.recommended else {}))
         opt._nonfinite.report = lambda count: None  # its pinned buffer needs CUDA
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
         times = []
+        _NoLaunch.launches = 0
         for _ in range(args.repeats):
             start = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - start)
         ms = 1e3 * statistics.median(times)
-        print(f"{set_name}: {len(params)} tensors, host {ms:.3f} ms a step, {1e3 * ms / len(params):.1f} µs a tensor")
+        print(f"{set_name}: {len(params)} tensors, host {ms:.3f} ms a step, {1e3 * ms / len(params):.1f} µs a tensor, "
+              f"{_NoLaunch.launches / args.repeats:.0f} Triton launches a step")
 
 
 if __name__ == "__main__":

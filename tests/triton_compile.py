@@ -28,13 +28,10 @@ SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", b
                  shrink="fp32", l2="fp32")
 FINISH_ARGS = dict(meta_ptr="*i64", partial_ptr="*fp32", words_ptr="*i32")
 TILES = dict(BR=table.BLOCK_ROWS, BC=table.BLOCK_COLS, BAND=table.BAND_ROWS)
-# The levels code's kernels take the tensors themselves: the weight and gradient pointers carry the dtype.
 _LEVELS_SCALARS = dict(beta2="fp32", rest2="fp32", gsign="fp32", shrink="fp32", l2="fp32")
-LEVELS_V_SUMS_ARGS = dict(row_v_ptr="*fp32", col_v_ptr="*fp32", row_part_ptr="*fp32", col_part_ptr="*fp32", n="i32",
-                          m="i32", lo="i32", hi="i32", cap="fp32", **_LEVELS_SCALARS)
-LEVELS_STEP_ARGS = dict(codes_ptr="*u8", scales_ptr="*bf16", row_v_ptr="*fp32", col_v_ptr="*fp32", bad_ptr="*i32",
-                        cols="i32", m="i32", lo="i32", blocks_per_row="i32", blocks="i32", lr="fp32", beta1="fp32", rest1="fp32",
-                        eps="fp32", seed="i32", salt="i64", **_LEVELS_SCALARS)
+LEVELS_V_SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", **_LEVELS_SCALARS)
+LEVELS_STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", salts_ptr="*i64", bad_ptr="*i32", lr="fp32",
+                        beta1="fp32", rest1="fp32", eps="fp32", seed="i32", **_LEVELS_SCALARS)
 # Options a kernel is launched with beyond its warps.
 LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS,
                   step.step_kernel: dict(maxnreg=table.MAX_REGISTERS) if table.MAX_REGISTERS else {}}
@@ -66,16 +63,14 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
                     finish.finish_kernel, FINISH_ARGS, consts, 8))
     out.append(("flag finish", finish.flag_finish_kernel, dict(meta_ptr="*i64", partial_ptr="*fp32"),
                 dict(BLOCK=256), 4))
-    for dtype in ("fp32", "bf16", "fp16"):
-        tensors = dict(w_ptr=f"*{dtype}", g_ptr=f"*{dtype}")
-        out.append((f"levels V sums {dtype}", levels.v_sums_kernel, dict(LEVELS_V_SUMS_ARGS, **tensors),
-                    dict(ZERO_BAD=True, **TILES), table.WARPS))
+    for dtype in (tl.float32, tl.bfloat16, tl.float16):
+        out.append((f"levels V sums {dtype}", levels.v_sums_kernel, LEVELS_V_SUMS_ARGS,
+                    dict(W_DTYPE=dtype, ZERO_BAD=True, **TILES), table.WARPS))
         bf16 = ((False, False), (True, False), (False, True), (True, True))  # weights' rounding × the levels'
-        for stochastic, dithered in bf16 if dtype == "bf16" else ((False, False), (False, True)):
+        for stochastic, dithered in bf16 if dtype == tl.bfloat16 else ((False, False), (False, True)):
             out.append((f"levels step {dtype} stochastic={stochastic} dither={dithered}", levels.levels_step_kernel,
-                        dict(LEVELS_STEP_ARGS, **tensors),
-                        dict(ZERO_BAD=True, STOCHASTIC=stochastic, DITHER=dithered, BLOCKS=levels.BLOCKS_PER_PROGRAM),
-                        levels.STEP_WARPS))
+                        LEVELS_STEP_ARGS, dict(W_DTYPE=dtype, ZERO_BAD=True, STOCHASTIC=stochastic, DITHER=dithered,
+                                               BLOCKS=levels.BLOCKS_PER_PROGRAM), levels.STEP_WARPS))
     return out
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import traceback
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -142,10 +143,16 @@ def run_batched(device: str) -> None:
     print(f"{device} batched launch of {len(shapes)} tensors: OK")
 
 
+def _same_step(p: torch.Tensor, st: dict, ref_p: torch.Tensor, ref_st: dict, cfg: StepConfig) -> None:
+    torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-5)
+    _same_code(st, ref_st, cfg)
+
+
 def _steps_against_torch(device: str, params: list, grads: list, states: list, configs: list,
-                         gen: torch.Generator) -> None:
+                         gen: torch.Generator, same: Callable[..., None] = _same_step) -> None:
     """One :func:`triton_steps_` call over these tensors, from fresh gradients in the given buffers, equal to
-    each one's torch-path step; then each holds the torch path's values again, in place (addresses kept)."""
+    each one's torch-path step (``same(param, state, its torch-path param, its state, cfg)``); then each holds
+    the torch path's values again, in place (addresses kept)."""
     from smmf.kernels.triton_gpu import triton_steps_
 
     items, expected = [], []
@@ -157,8 +164,7 @@ def _steps_against_torch(device: str, params: list, grads: list, states: list, c
         items.append((p, g, st, cfg))
     triton_steps_(items)
     for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
-        torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-5)
-        _same_code(st, ref_st, cfg)
+        same(p, st, ref_p, ref_st, cfg)
         p.copy_(ref_p)
         for key, value in ref_st.items():
             if isinstance(value, torch.Tensor):
@@ -394,6 +400,50 @@ def run_levels_stochastic(device: str) -> None:
     print(f"{device} levels code, bf16 stochastic rounding: OK")
 
 
+def run_levels_batched(device: str) -> None:
+    """Many tensors under the levels code in one call: every shape of :data:`LEVELS_SHAPES` (a complex one among
+    them) in fp32 and bf16, dithered, each param with its own salt at each step, as the optimizer salts them.
+    Each dtype is one launch set (three launches) whatever the number of tensors; from step 2 on the kept plan
+    runs, reading each step's salts; every tensor equals its own torch-path step, codes and scales bit for bit
+    under the interpreter."""
+    from smmf.kernels.triton_gpu import host
+
+    gen = torch.Generator().manual_seed(9)
+    params = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in LEVELS_SHAPES:
+            if shape == (33, 5):
+                params.append(torch.randn(shape, generator=gen, dtype=torch.complex64).to(device))
+            else:
+                params.append(torch.randn(shape, generator=gen).to(device, dtype))
+    group = {"beta": 0.9, "vector_reshape": True, "magnitude_bits": 3}
+    states = [init_state(p, group) for p in params]
+    grads = [torch.empty_like(p) for p in params]
+    launches = []
+    real_run_levels = host._run_levels
+    host._run_levels = lambda *args, **kwargs: launches.append(1) or real_run_levels(*args, **kwargs)
+    host._PLANS.clear()
+    def same(p: torch.Tensor, st: dict, ref_p: torch.Tensor, ref_st: dict, cfg: StepConfig) -> None:
+        tol = 1e-6 if real_view(p).dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(real_view(p).float(), real_view(ref_p).float(), rtol=tol, atol=tol)
+        _same_levels(st, ref_st, exact=device == "cpu")
+
+    try:
+        for step in range(1, 4):
+            base = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
+                              weight_decay=0.1, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False,
+                              code=MomentumCode.LEVELS)
+            launches.clear()
+            _steps_against_torch(device, params, grads, states,
+                                 [base.with_salt(step_salt(step, i)) for i in range(len(params))], gen, same)
+            assert len(launches) == 2, (step, len(launches))  # fp32 (the complex param's real view too), bf16
+            assert len(host._PLANS) == 1, (step, len(host._PLANS))
+    finally:
+        host._run_levels = real_run_levels
+        host._PLANS.clear()
+    print(f"{device} levels code, {len(params)} tensors in one call: OK")
+
+
 def run_huge_flag(device: str) -> None:
     """Finite gradients near the fp32 maximum keep the magnitude flag's levels, and the weights, finite
     (two elements of 3e38; a whole gradient scaled by 1e20), with the torch path's levels."""
@@ -468,6 +518,7 @@ def main() -> int:
     checks = [partial(run_levels, device, dtype)
               for dtype in [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])]
     checks += [partial(run_levels_stochastic, device), partial(run_levels_shards, device),
+               partial(run_levels_batched, device),
                partial(run_huge_flag, device), partial(run_flag_shards, device),
                partial(run_shards, device), partial(run_batched, device), partial(run_plans, device),
                partial(run_plans_follow_configs, device)]

@@ -53,9 +53,10 @@ momentum sums kernel runs over the shard's rows of M's view first. Under the mag
 takes two calls (:func:`triton_flag_shard_pass_`), for the caller to add up the shards' sums of |M|
 between them: the sums kernel, then the step kernel against the new factors.
 
-The block-levels code of M (``magnitude_bits=3``) is coded by rows of the param, a view the table's
-kernels do not walk: :func:`triton_steps_` hands those tensors to :mod:`.levels`, two kernels of their
-own per tensor (V's sums over its square view, then the step over M's blocks) and two torch sums.
+The block-levels code of M (``magnitude_bits=3``) is coded by rows of the param, a view the step kernel
+does not walk: its tensors take the kernels of :mod:`.levels`, many tensors per launch from the same table
+(:func:`.table.levels_layout`): V's sums over its square view, the step over M's blocks, then the finish
+kernel for V's factors — three launches per launch set, an FSDP2 shard's included.
 
 Read top to bottom: :mod:`.table` (tile shape, the table's columns, launch geometry), :mod:`.tiles`
 (pieces the kernels share), :mod:`.step` (the step and momentum sums kernels), :mod:`.finish` (the

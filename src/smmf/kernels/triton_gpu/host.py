@@ -10,14 +10,15 @@ import triton.language as tl
 from torch import Tensor
 
 from ...functional import StepConfig
-from ...state import (COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, MomentumCode, matrix_shape, momentum_cols,
-                      real_view)
+from ...levels import levels_rows_cols
+from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
+                      momentum_cols, real_view)
 from ..contract import FlagPass, StepItem
 from .finish import finish_kernel, flag_finish_kernel
-from .levels import launch_levels
+from .levels import BLOCKS_PER_PROGRAM, LAUNCH_OPTIONS, STEP_WARPS, levels_step_kernel, v_sums_kernel
 from .step import momentum_sums_kernel, step_kernel
 from . import table as tables  # tile shape read at each launch: benchmarks/gpu_tune.py sweeps it
-from .table import META_COLUMNS, TABLE_FIELDS, layout
+from .table import META_COLUMNS, TABLE_FIELDS, layout, levels_layout
 
 
 def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
@@ -37,9 +38,9 @@ def _vector(weight: Tensor, grad: Tensor, state: dict[str, Any], m: int, lo: int
 
 
 def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
-    """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch per distinct
-    (dtype, cfg, alignment) among them; under the levels code (``magnitude_bits=3``), the launches of
-    :func:`.levels.launch_levels` per tensor. Returns a CUDA counter of NaN/inf gradient elements (a lower
+    """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch set per distinct
+    (dtype, cfg, alignment, code of M) among them (under the levels code, ``magnitude_bits=3``, the kernels of
+    :mod:`.levels`; each tensor's dither salt is its own). Returns a CUDA counter of NaN/inf gradient elements (a lower
     bound; not synchronized), or None when none of the configs zeroes them.
 
     The host's work per tensor (grouping, the table of each launch, its copy to the GPU) is what a step
@@ -57,15 +58,12 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
             if len(_PLANS) >= _PLANS_KEPT:  # the oldest goes (tolerant of another thread's step)
                 _PLANS.pop(next(iter(_PLANS), ()), None)
             _PLANS[signature] = plan
-    if not plan.groups and not plan.levels:
+    if not plan.groups:
         return None
     bad = torch.zeros(1, dtype=torch.int32, device=items[0][0].device)
-    for group, index in plan.groups:
-        _run(group, items[index][3], bad)
-    for index in plan.levels:
-        param, grad, state, cfg = items[index]
-        weight, g, _ = views[index] if views is not None else _views(param, grad)
-        launch_levels(weight, g, state, cfg, bad)
+    for group, indices in plan.groups:
+        _run(group, items[indices[0]][3], bad,
+             salts=_salts([items[i][3] for i in indices], group.meta.device) if group.levels else None)
     for weight, g, copy_of in views or ():
         if copy_of is not None:
             copy_of.copy_(weight)
@@ -73,11 +71,10 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
 
 
 class _Plan(NamedTuple):
-    """A step's launches: each prepared group with the index of an item whose config it takes (every
-    item of a group has an equal config), and the items of the levels code, launched one by one."""
+    """A step's launches: each prepared group with the indices of its items, whose configs are equal (but
+    for the levels code's dither salt, each item's own); the first item's config is the launch's."""
 
-    groups: list[tuple[_Group, int]]
-    levels: list[int]
+    groups: list[tuple[_Group, list[int]]]
 
 
 _PLANS: dict[tuple, _Plan] = {}  # by signature, oldest first
@@ -87,7 +84,8 @@ _PLANS_KEPT = 1024  # the step inside backward launches each param alone: a plan
 def _signature(items: Sequence[StepItem]) -> Optional[tuple]:
     """What decides a step's plan: every param's and gradient's address, shape and dtype, every state
     tensor's name, address and size, which items' configs are equal (a plan launches a group with one
-    item's config) and what of them it bakes in (stochastic rounding, a first moment, the code of M), and
+    item's config) and what of them it bakes in (stochastic rounding, a first moment, the code of M, whether
+    the levels are dithered: each item's salt is read at every step), and
     the tile geometry. None when some param or gradient needs a copy first (strided, or a
     gradient of another dtype): that step is planned for itself alone."""
     classes: dict[tuple[int, torch.dtype], tuple] = {}
@@ -102,7 +100,7 @@ def _signature(items: Sequence[StepItem]) -> Optional[tuple]:
             # real one share a launch), with what the plan bakes in taken as values.
             key = _config_key(cfg, real_view(param).dtype)
             kind = classes[(id(cfg), param.dtype)] = (values.setdefault(key, len(values)), key[-1],
-                                                      cfg.beta1 is None, cfg.code)
+                                                      cfg.beta1 is None, cfg.code, cfg.levels_salt is None)
         entries.append((kind, param.data_ptr(), param.shape, param.dtype, grad.data_ptr(),
                         *[(name, t.data_ptr(), t.numel()) for name, t in state.items() if isinstance(t, Tensor)]))
     return (tables.BLOCK_COLS, tables.BAND_ROWS, *entries)
@@ -123,12 +121,12 @@ def _views(param: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor
 
 def _make_plan(items: Sequence[StepItem], views: list[tuple[Tensor, Tensor, Optional[Tensor]]]) -> _Plan:
     launches: dict[tuple, list[int]] = {}
-    levels = []  # the levels code: kernels of its own per tensor (.levels), not the table's
+    levels: dict[tuple, list[int]] = {}  # the levels code: kernels of its own (.levels), dithered or not
     for index, ((weight, g, _), (_, _, state, cfg)) in enumerate(zip(views, items)):
         if weight.numel() == 0:
             continue
         if cfg.code is MomentumCode.LEVELS:
-            levels.append(index)
+            levels.setdefault((*_config_key(cfg, weight.dtype), cfg.levels_salt is not None), []).append(index)
             continue
         # Without a first moment there are no sign bits, and every tensor takes the aligned code.
         n, m = matrix_shape(weight)
@@ -145,8 +143,11 @@ def _make_plan(items: Sequence[StepItem], views: list[tuple[Tensor, Tensor, Opti
         group = _prepare(tensors, spans, has_m=items[indices[0]][3].beta1 is not None, dtype=dtype,
                          stochastic=stochastic, aligned=aligned, vector=vector, normalize=True, natural=natural,
                          flag=flag)
-        groups.append((group, indices[0]))
-    return _Plan(groups, levels)
+        groups.append((group, indices))
+    for (dtype, *_, stochastic, _), indices in levels.items():
+        tensors = [(views[i][0], views[i][1], items[i][2]) for i in indices]
+        groups.append((_prepare_levels(tensors, [0] * len(tensors), dtype, stochastic, normalize=True), indices))
+    return _Plan(groups)
 
 
 def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
@@ -158,7 +159,7 @@ def triton_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg:
     sign bits; leaves this shard's raw row and column sums in the four factor vectors (0 for rows
     it lacks), for the caller to add up across shards and normalize. The paper's code and the natural
     shape (the magnitude flag: :func:`triton_flag_shard_pass_`), and the levels code's shard of whole rows
-    of M (:func:`.levels.launch_levels`). Returns what :func:`triton_steps_` returns."""
+    of M (:mod:`.levels`). Returns what :func:`triton_steps_` returns."""
     return _shard_launch(weight, grad, state, cfg, start, None)
 
 
@@ -175,8 +176,10 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     n, m = state[ROW_V].numel(), state[COL_V].numel()
     grad = grad.to(weight.dtype).contiguous()
     bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
-    if cfg.code is MomentumCode.LEVELS:  # the shard's own rows of M: its own code, V's raw sums
-        launch_levels(weight, grad, state, cfg, bad, start, whole=False)
+    if cfg.code is MomentumCode.LEVELS and weight.numel():  # the shard's own rows of M: its own code, V's raw sums
+        group = _prepare_levels([(weight, grad, state)], [start], weight.dtype,
+                                cfg.stochastic_rounding and weight.dtype == torch.bfloat16, normalize=False)
+        _run(group, cfg, bad, salts=_salts([cfg], weight.device))
     elif weight.numel():
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
         m_cols = momentum_cols(state, m)
@@ -220,6 +223,7 @@ class _Group(NamedTuple):
     flag: bool
     shard: bool
     stream: Optional[torch.cuda.Stream]  # the CUDA stream its table was copied on (None on CPU)
+    levels: bool = False  # the block-levels code's launches (.levels): item_tensor V's sums, sums_items M's blocks
 
 
 def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]],
@@ -234,7 +238,7 @@ def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]],
     table = []
     for (weight, g, state), geo in zip(tensors, geometry):
         row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
-        if has_m:
+        if has_m:  # (``signs`` first: the table's fields in order)
             signs, row_m, col_m = state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()
         else:
             signs, row_m, col_m = 0, row_v, col_v
@@ -242,21 +246,64 @@ def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]],
         row = dict(geo, w=weight.data_ptr(), g=g.data_ptr(), signs=signs, row_m=row_m, col_m=col_m, row_v=row_v,
                    col_v=col_v, flags=flags, levels=levels)
         table += [row[field] for field in TABLE_FIELDS]
-    # Pinned, then an async copy: no stream sync, and the caching host allocator keeps the buffer
-    # until the copy is done.
-    assert len(table) == len(tensors) * META_COLUMNS.value, "the table's rows and the kernels' META_COLUMNS disagree"
+    return _Group(_on_device(table, len(tensors), device), geometry, item_tensor, sums_items, partial_numel,
+                  words_numel, len(tensors), has_m, dtype, stochastic, aligned, vector, normalize, natural, flag,
+                  shard=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans), stream=_stream(device))
+
+
+def _prepare_levels(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]], starts: list[int], dtype: torch.dtype,
+                    stochastic: bool, normalize: bool) -> _Group:
+    """The table of one group under the block-levels code (:func:`.table.levels_layout`): each weight holds
+    the elements from ``starts[i]`` of its param (0, or an FSDP2 shard's first row), and its codes are in the
+    table's ``signs`` field, its scales in ``levels``."""
+    device = tensors[0][0].device
+    spans = tuple((*_v_shape(state), lo, lo + weight.numel(), *levels_rows_cols(state[CODES_M], weight.numel()))
+                  for (weight, _, state), lo in zip(tensors, starts))
+    geometry, v_items, step_items, partial_numel, _ = levels_layout(spans, device, tables.BLOCK_COLS, tables.BAND_ROWS,
+                                                                    BLOCKS_PER_PROGRAM)
+    table = []
+    for (weight, g, state), geo in zip(tensors, geometry):
+        row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
+        row = dict(geo, w=weight.data_ptr(), g=g.data_ptr(), signs=state[CODES_M].data_ptr(), row_m=row_v, col_m=col_v,
+                   row_v=row_v, col_v=col_v, flags=0, levels=state[SCALES_M].data_ptr())
+        table += [row[field] for field in TABLE_FIELDS]
+    return _Group(_on_device(table, len(tensors), device), geometry, v_items, step_items, partial_numel, 0,
+                  len(tensors), True, dtype, stochastic, aligned=True, vector=False, normalize=normalize, natural=False,
+                  flag=False, shard=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans), stream=_stream(device),
+                  levels=True)
+
+
+def _v_shape(state: dict[str, Any]) -> tuple[int, int]:
+    """V's n×m view, from its factors (a shard's weight holds only part of it)."""
+    return state[ROW_V].numel(), state[COL_V].numel()
+
+
+def _on_device(table: list[int], tensors: int, device: torch.device) -> Tensor:
+    """The table's int64 rows on ``device``: pinned, then an async copy (no stream sync; the caching host
+    allocator keeps the buffer until the copy is done)."""
+    assert len(table) == tensors * META_COLUMNS.value, "the table's rows and the kernels' META_COLUMNS disagree"
     meta = torch.tensor(table, dtype=torch.int64)
-    cuda = device.type == "cuda"
-    meta = meta.pin_memory().to(device, non_blocking=True) if cuda else meta
-    return _Group(meta, geometry, item_tensor, sums_items, partial_numel, words_numel, len(tensors), has_m, dtype,
-                  stochastic, aligned, vector, normalize, natural, flag,
-                  shard=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans),
-                  stream=torch.cuda.current_stream(device) if cuda else None)
+    return meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
 
 
-def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPass] = None) -> None:
+def _stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _salts(configs: list[StepConfig], device: torch.device) -> Optional[Tensor]:
+    """The levels' dither salt of each item of a launch, on ``device`` (one small copy a step: a salt changes
+    every step), or None when the levels are rounded to nearest."""
+    if configs[0].levels_salt is None:
+        return None
+    salts = torch.tensor([cfg.levels_salt for cfg in configs], dtype=torch.int64)
+    return salts.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else salts
+
+
+def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPass] = None,
+         salts: Optional[Tensor] = None) -> None:
     """The launches of one prepared group (module docstring), with ``cfg``'s scalars. ``flag_pass``: one
-    FSDP2 shard under the magnitude flag, one of its two passes (:func:`triton_flag_shard_pass_`)."""
+    FSDP2 shard under the magnitude flag, one of its two passes (:func:`triton_flag_shard_pass_`). ``salts``:
+    under the levels code, each tensor's dither salt (None: nearest levels)."""
     meta, geometry, flag, normalize = group.meta, group.geometry, group.flag, group.normalize
     device = meta.device
     if group.stream is not None and torch.cuda.current_stream(device) != group.stream:
@@ -267,6 +314,8 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         for tensor in (meta, group.item_tensor, group.sums_items):
             tensor.record_stream(current)
     partial = torch.empty(group.partial_numel, dtype=torch.float32, device=device)
+    if group.levels:
+        return _run_levels(group, cfg, bad, partial, salts)
     words = torch.zeros(max(group.words_numel, 1), dtype=torch.int32, device=device)
     blocks = dict(BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS)
     cap = dict(maxnreg=tables.MAX_REGISTERS) if tables.MAX_REGISTERS else {}  # the step kernel's
@@ -310,6 +359,30 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         flag_pass.level_sums.copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
     elif flag:
         flag_finish_kernel[(group.tensors,)](meta, partial, BLOCK=256, num_warps=4)
+
+
+def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, salts: Optional[Tensor]) -> None:
+    """The block-levels code's launches (:mod:`.levels`): V's partial sums from the old factors, then the
+    step over M's blocks (which still reads them), then the finish kernel's V factors (raw sums for a
+    shard)."""
+    gsign, shrink, l2 = cfg.folded()
+    assert cfg.beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
+    dtype = _TL_DTYPES[group.dtype]
+    v_sums_kernel[(group.item_tensor.numel(),)](
+        group.meta, group.item_tensor, partial, cfg.beta2, 1.0 - cfg.beta2, gsign, shrink, l2, W_DTYPE=dtype,
+        ZERO_BAD=cfg.zero_nonfinite, BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS,
+        num_warps=tables.WARPS, **LAUNCH_OPTIONS,
+    )
+    levels_step_kernel[(group.sums_items.numel(),)](
+        group.meta, group.sums_items, group.meta if salts is None else salts, bad, cfg.lr, cfg.beta1,
+        1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2,
+        int(torch.randint(0, 2**30, ()).item()) if group.stochastic else 0, W_DTYPE=dtype,
+        ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=group.stochastic, DITHER=salts is not None, BLOCKS=BLOCKS_PER_PROGRAM,
+        num_warps=STEP_WARPS, **LAUNCH_OPTIONS,
+    )
+    finish_kernel[(group.tensors, 1)](group.meta, partial, bad, COPIERS=1, NORMALIZE=group.normalize, FIRST=0,
+                                      MOMENTS=1, TO_SCRATCH=False, BLOCK=256, KB=16, COPY_BLOCK=4096, FLAG=False,
+                                      num_warps=8)
 
 
 def triton_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Optional[Tensor]:

@@ -1,23 +1,26 @@
-"""The block-levels code of M (``magnitude_bits=3``, :mod:`smmf.levels`) on CUDA: two kernels per tensor,
-then V's factors from their partial sums with two torch sums.
+"""The block-levels code of M (``magnitude_bits=3``, :mod:`smmf.levels`) on CUDA: three launches for all the
+tensors of a launch set, as for the paper's code, each tensor a row of the table (:func:`.table.levels_layout`:
+the codes in the ``signs`` field, the scales in ``levels``, M's rows × cols and blocks per row in the fields
+of M's view).
 
 M is coded by rows of the param in blocks of 128 elements, V by the rank-1 factors of its square view:
 the two views do not line up, so each kernel walks the view it needs.
 
-1. :func:`v_sums_kernel`, one program per (column tile, band of rows) of V's square view, in the step
+1. :func:`v_sums_kernel`, one program per (tensor, band of rows, column tile) of V's square view, in the step
    kernel's tile shape (:mod:`.table`): this step's V from the old factors, and its capped sums per row
-   of each tile and per column of each band, into two fp32 partial buffers. It only reads (w, g and the
-   factors), so it runs first, while the weights still hold their old values (L2 decay reads them).
-2. :func:`levels_step_kernel`, one program per :data:`BLOCKS_PER_PROGRAM` consecutive blocks of M (in
-   row-major block order, so a 1-D param's blocks fill a program as a matrix's do), each block one row of
-   its tile: decode the stored M, form this step's M and V (from the old factors) and the decayed weight,
-   the block's largest |M| → its new bf16 scale, the codes against that scale (two per byte; a block is
-   64 whole bytes, so no two programs share a byte), and the weight stepped with the uncompressed M and
-   V, rounded to the param's dtype.
+   of each tile and per column of each band, into the partial buffer where the step kernel puts V's. It only
+   reads (w, g and the factors), so it runs first, while the weights still hold their old values (L2 decay
+   reads them).
+2. :func:`levels_step_kernel`, one program per (tensor, :data:`BLOCKS_PER_PROGRAM` consecutive blocks of
+   its M) (in row-major block order, so a 1-D param's blocks fill a program as a matrix's do), each block
+   one row of its tile: decode the stored M, form this step's M and V (from the old factors) and the
+   decayed weight, the block's largest |M| → its new bf16 scale, the codes against that scale (two per
+   byte; a block is 64 whole bytes, so no two programs share a byte), and the weight stepped with the
+   uncompressed M and V, rounded to the param's dtype.
+3. :func:`.finish.finish_kernel` (V only) adds up the partials in a fixed order and writes V's factors (an
+   FSDP2 shard's raw sums).
 
-Then the host adds up the partials with ``torch.sum`` (a fixed order) and stores V's factors
-(:func:`smmf.functional.store_factors_`). No floating-point atomics: a step is deterministic; the
-NaN/inf count is an int32 atomic.
+No floating-point atomics: a step is deterministic; the NaN/inf count is an int32 atomic.
 
 Each line mirrors the torch path's rounding (:func:`smmf.functional._factored_update`): torch's
 ``add(x, alpha=a)`` and ``addcmul`` are fused multiply-adds (on CPU's vector loops and under nvcc), so
@@ -30,23 +33,15 @@ its reciprocal, 1 ulp off for j = 3 and 6.)
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from ...functional import StepConfig, store_factors_
-from ...levels import (BLOCK, DITHER_BITS, DITHER_MULTIPLIERS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL, levels_rows_cols,
-                       scales_shape)
-from ...matrix import factor_sum_cap
-from ...state import CODES_M, COL_V, ROW_V, SCALES_M
-from . import table as tables  # V's tile shape, read at each launch (as the table launches do)
-from .table import FP32_MAX
-from .tiles import bf16_rounded
+from ...levels import BLOCK, DITHER_BITS, DITHER_MULTIPLIERS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from .table import (FP32_MAX, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_LEVELS, T_LO, T_M, T_M_COLS, T_M_ROWS, T_M_TILES,
+                    T_PARTIAL_AT, T_SIGNS, T_TILES)
+from .tiles import bf16_rounded, tensor_pointers, v_span, work_item
 
-__all__ = ["BLOCKS_PER_PROGRAM", "LAUNCH_OPTIONS", "launch_levels", "levels_step_kernel", "v_sums_kernel"]
+__all__ = ["BLOCKS_PER_PROGRAM", "LAUNCH_OPTIONS", "STEP_WARPS", "levels_step_kernel", "v_sums_kernel"]
 
 # Blocks of M per program of the step kernel: a 16 × 128 tile, 8 elements per thread. Twice that (the table
 # kernels' 4096-element tile) takes ~245 registers per thread for sm_90 (tests/triton_compile.py prints them).
@@ -84,16 +79,19 @@ def second_moment(rv, cv, g, beta2, rest2):
 
 
 @triton.jit
-def v_sums_kernel(w_ptr, g_ptr, row_v_ptr, col_v_ptr, row_part_ptr, col_part_ptr, n, m, lo, hi, beta2, rest2, gsign,
-                  shrink, l2, cap, ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
-    """Program band · tiles + tile of the rows of V's n×m view that hold the elements ``lo .. hi`` of the
-    flattening (all of it, or an FSDP2 shard's; ``w``/``g`` hold those, from ``lo``; a 1-D grid: a prime
-    n·m has n / BAND bands): this step's V, each element capped at ``cap``
-    (:func:`smmf.matrix.factor_sum_cap`; NaN stays NaN, as torch's clamp), summed per row of each BR × BC
-    tile into ``row_part[tile, row]`` and per column over the band into ``col_part[band, col]``."""
-    tiles = tl.cdiv(m, BC)
-    band = tl.program_id(0) // tiles
-    tile = tl.program_id(0) % tiles
+def v_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta2, rest2, gsign, shrink, l2, W_DTYPE: tl.constexpr,
+                  ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
+    """One work item (a tensor's band of rows × column tile) of V's n×m view, over the rows that hold the
+    elements ``lo .. hi`` of the flattening (all of it, or an FSDP2 shard's; ``w``/``g`` hold those, from
+    ``lo``): this step's V, each element capped (:func:`smmf.matrix.factor_sum_cap`; NaN stays NaN, as
+    torch's clamp), summed per row of each BR × BC tile and per column over the band into the tensor's
+    partial sums, laid out as the step kernel's V sums (``T_PARTIAL_AT``: [rows: tiles×n][cols: bands×m]),
+    so that :func:`.finish.finish_kernel` makes the factors."""
+    _t, row, tiles, _local, band, tile = work_item(meta_ptr, item_tensor_ptr, T_TILES, T_FIRST_ITEM)
+    n, m, lo, hi = v_span(row)
+    w_ptr, g_ptr, row_v_ptr, col_v_ptr = tensor_pointers(row, W_DTYPE)
+    part = partial_ptr + tl.load(row + T_PARTIAL_AT)
+    cap = FP32_MAX / (2.0 * (n * m).to(tl.float32))
     cols = tile * BC + tl.arange(0, BC)
     col_ok = cols < m
     cv = tl.load(col_v_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -111,9 +109,9 @@ def v_sums_kernel(w_ptr, g_ptr, row_v_ptr, col_v_ptr, row_part_ptr, col_part_ptr
         rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)[:, None]
         v = second_moment(rv, cv, g, beta2, rest2)
         v = tl.where(ok, tl.where(v > cap, cap, v), 0.0)
-        tl.store(row_part_ptr + tile * n + rows, tl.sum(v, axis=1), mask=row_ok)
+        tl.store(part + tile * n + rows, tl.sum(v, axis=1), mask=row_ok)
         acc += v
-    tl.store(col_part_ptr + band * m + cols, tl.sum(acc, axis=0), mask=col_ok)
+    tl.store(part + tiles * n + band * m + cols, tl.sum(acc, axis=0), mask=col_ok)
 
 
 @triton.jit
@@ -150,26 +148,36 @@ def encoded_momentum(m, scale, offset):
     return level | tl.where(m < 0, LEVEL_NEGATIVE, 0)
 
 
-@triton.jit(do_not_specialize=["salt"])  # a new value each step: one compile, not one per value class
-def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr, bad_ptr, cols, m, lo,
-                       blocks_per_row, blocks, lr, beta1, rest1, beta2, rest2, eps, gsign, shrink, l2, seed, salt,
-                       ZERO_BAD: tl.constexpr, STOCHASTIC: tl.constexpr, DITHER: tl.constexpr, BLOCKS: tl.constexpr):
-    """BLOCKS consecutive blocks of M (of ``blocks``; ``blocks_per_row`` per row of ``cols`` elements),
-    one per row of a (BLOCKS, 64, 2) tile whose last axis is the two codes of a byte (even column, low
-    nibble). The arrays hold the param from element ``lo`` of its flattening (0, or an FSDP2 shard's first
-    row): element e sits at ((lo + e) // m, (lo + e) % m) of V's view, whose old factors it reads, and
-    draws its dither by lo + e. Writes the codes, the scales and the weights; adds the NaN/inf gradient
-    elements to ``bad`` under ``ZERO_BAD`` (the torch path counts them only then)."""
-    block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+@triton.jit
+def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1, rest1, beta2, rest2, eps, gsign,
+                       shrink, l2, seed, W_DTYPE: tl.constexpr, ZERO_BAD: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       DITHER: tl.constexpr, BLOCKS: tl.constexpr):
+    """One work item: BLOCKS consecutive blocks of a tensor's M (``T_M_TILES`` blocks to each of its
+    ``T_M_ROWS`` rows of ``T_M_COLS`` elements), one per row of a (BLOCKS, 64, 2) tile whose last axis is
+    the two codes of a byte (even column, low nibble). The arrays hold the param from element ``lo`` of its
+    flattening (0, or an FSDP2 shard's first row): element e sits at ((lo + e) // m, (lo + e) % m) of V's
+    view, whose old factors it reads, and draws its dither by lo + e with the tensor's salt (``salts[t]``,
+    under ``DITHER``). Writes the codes, the scales and the weights; adds the NaN/inf gradient elements to
+    ``bad`` under ``ZERO_BAD`` (the torch path counts them only then)."""
+    t, row, blocks_per_row, local, _, _ = work_item(meta_ptr, item_tensor_ptr, T_M_TILES, T_FIRST_SUMS_ITEM)
+    cols = tl.load(row + T_M_COLS).to(tl.int32)
+    blocks = tl.load(row + T_M_ROWS).to(tl.int32) * blocks_per_row.to(tl.int32)
+    m = tl.load(row + T_M)
+    lo = tl.load(row + T_LO)
+    w_ptr, g_ptr, row_v_ptr, col_v_ptr = tensor_pointers(row, W_DTYPE)
+    codes_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+    scales_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.bfloat16))
+
+    block = local.to(tl.int32) * BLOCKS + tl.arange(0, BLOCKS)
     block_ok = block < blocks
-    row = (block // blocks_per_row).to(tl.int64)[:, None]
-    byte_col = (block % blocks_per_row)[:, None] * LEVEL_BLOCK + tl.arange(0, LEVEL_BLOCK // 2)[None, :] * 2
-    byte = row * ((cols + 1) // 2) + byte_col // 2  # (BLOCKS, 64): the bytes, by their even column
+    row_m = (block // blocks_per_row.to(tl.int32)).to(tl.int64)[:, None]
+    byte_col = (block % blocks_per_row.to(tl.int32))[:, None] * LEVEL_BLOCK + tl.arange(0, LEVEL_BLOCK // 2)[None, :] * 2
+    byte = row_m * ((cols + 1) // 2) + byte_col // 2  # (BLOCKS, 64): the bytes, by their even column
     byte_ok = block_ok[:, None] & (byte_col < cols)
     half = tl.arange(0, 2)[None, None, :]
     col = byte_col[:, :, None] + half
     ok = byte_ok[:, :, None] & (col < cols)
-    element = row[:, :, None] * cols + col
+    element = row_m[:, :, None] * cols + col
 
     w = tl.load(w_ptr + element, mask=ok, other=0.0)
     g = tl.load(g_ptr + element, mask=ok, other=0.0)
@@ -186,74 +194,18 @@ def levels_step_kernel(w_ptr, g_ptr, codes_ptr, scales_ptr, row_v_ptr, col_v_ptr
     a = tl.abs(mm)
     top = tl.max(tl.max(tl.minimum(tl.where(a != a, 0.0, a), LEVEL_SCALE_MAX), axis=2), axis=1)
     scale = bf16_rounded(top, 0, 0, False)
-    tl.store(scales_ptr + block, scale.to(scales_ptr.dtype.element_ty), mask=block_ok)
+    tl.store(scales_ptr + block, scale.to(tl.bfloat16), mask=block_ok)
     if DITHER:  # the levels rounded stochastically
-        codes = encoded_momentum(mm, scale[:, None, None], dither(salt, lo + element))
+        codes = encoded_momentum(mm, scale[:, None, None], dither(tl.load(salts_ptr + t), lo + element))
     else:
         codes = encoded_momentum(mm, scale[:, None, None], 0.5)
     tl.store(codes_ptr + byte, tl.sum(codes << (half * 4), axis=2).to(tl.uint8), mask=byte_ok)
 
     # The weight, with this step's uncompressed M and V: W − lr·M / (√V + ε), as torch's add(alpha=−lr).
     new_w = tl.fma(tl.math.div_rn(mm, tl.sqrt_rn(v) + eps), -lr, w)
-    if w_ptr.dtype.element_ty == tl.bfloat16:
-        new_w = bf16_rounded(new_w, seed, element, STOCHASTIC)
-    tl.store(w_ptr + element, new_w.to(w_ptr.dtype.element_ty), mask=ok)
+    if W_DTYPE == tl.bfloat16:
+        new_w = bf16_rounded(new_w, seed + t, element, STOCHASTIC)
+    tl.store(w_ptr + element, new_w.to(W_DTYPE), mask=ok)
     if ZERO_BAD:
         bad = tl.sum(tl.sum(tl.sum((ok & ~finite).to(tl.int32), axis=2), axis=1), axis=0)
         tl.atomic_add(bad_ptr, bad, mask=bad > 0)
-
-
-def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, bad: Tensor, lo: int = 0,
-                  whole: bool = True) -> None:
-    """One tensor's step under the levels code, in place: ``weight`` the param's real view, contiguous
-    (fp32, bf16 or fp16), ``grad`` contiguous in its dtype; M's rows are ``weight``'s
-    (:func:`smmf.levels.levels_rows_cols`). Or an FSDP2 shard's (``whole`` False): its own rows of M, from
-    element ``lo`` of the param, leaving this shard's raw V sums in the factor vectors (0 for the rows it
-    lacks) for the caller to add up across shards. Adds the NaN/inf gradient elements met to the int32
-    counter ``bad`` when ``cfg.zero_nonfinite``. No host sync."""
-    m = state[COL_V].numel()
-    rows, cols = levels_rows_cols(state[CODES_M], weight.numel())
-    blocks_per_row = scales_shape(rows, cols)[1]
-    gsign, shrink, l2 = cfg.folded()
-    row_part, col_part = _v_sums(weight, grad, state, cfg, lo)
-    stochastic = cfg.stochastic_rounding and weight.dtype == torch.bfloat16
-    blocks = rows * blocks_per_row
-    assert cfg.beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
-    if blocks:
-        levels_step_kernel[(triton.cdiv(blocks, BLOCKS_PER_PROGRAM),)](
-            weight, grad, state[CODES_M], state[SCALES_M], state[ROW_V], state[COL_V], bad, cols, m, lo,
-            blocks_per_row, blocks, cfg.lr, cfg.beta1, 1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign,
-            shrink, l2, int(torch.randint(0, 2**30, ()).item()) if stochastic else 0, cfg.levels_salt or 0,
-            ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=stochastic, DITHER=cfg.levels_salt is not None,
-            BLOCKS=BLOCKS_PER_PROGRAM, num_warps=STEP_WARPS,
-            **LAUNCH_OPTIONS,
-        )
-    # The old factors were read until here.
-    row_sums, col_sums = row_part.sum(dim=0), col_part.sum(dim=0)
-    if whole:
-        store_factors_(state, ROW_V, COL_V, row_sums, col_sums)
-    else:
-        state[ROW_V].copy_(row_sums)
-        state[COL_V].copy_(col_sums)
-
-
-def _v_sums(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
-            lo: int) -> tuple[Tensor, Tensor]:
-    """:func:`v_sums_kernel` over the rows of V's n×m view that hold ``weight``'s elements (from ``lo``):
-    the partial row sums (one per column tile; 0 for other rows) and column sums (one per band of rows),
-    for the caller to add up after the step kernel."""
-    n, m = state[ROW_V].numel(), state[COL_V].numel()
-    hi = lo + weight.numel()
-    tiles, bands = triton.cdiv(m, tables.BLOCK_COLS), triton.cdiv(-(-hi // m) - lo // m, tables.BAND_ROWS)
-    whole = lo == 0 and hi == n * m
-    row_part = (torch.empty if whole else torch.zeros)((tiles, n), dtype=torch.float32, device=weight.device)
-    col_part = torch.zeros((max(bands, 1), m), dtype=torch.float32, device=weight.device)
-    gsign, shrink, l2 = cfg.folded()
-    if bands:
-        v_sums_kernel[(tiles * bands,)](
-            weight, grad, state[ROW_V], state[COL_V], row_part, col_part, n, m, lo, hi, cfg.beta2, 1.0 - cfg.beta2,
-            gsign, shrink, l2, factor_sum_cap(n * m, torch.float32), ZERO_BAD=cfg.zero_nonfinite,
-            BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS,
-            **LAUNCH_OPTIONS,
-        )
-    return row_part, col_part

@@ -13,8 +13,6 @@ from .table import (
     T_SIGNS,
     T_ROW_M,
     T_COL_M,
-    T_ROW_V,
-    T_COL_V,
     T_N,
     T_M,
     T_TILES,
@@ -34,8 +32,8 @@ from .table import (
     T_LEVEL_SUMS_AT,
     T_FLAG_WORDS_AT,
 )
-from .tiles import (bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, pack_bits, row_sums, unpack_bits,
-                    work_item)
+from .tiles import (bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, pack_bits, row_sums,
+                    tensor_pointers, unpack_bits, v_span, work_item)
 
 
 @triton.jit
@@ -114,14 +112,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     tl.static_assert(BC % 32 == 0, "a tile's columns are whole sign bytes, packed 32 bits at a time")
     BB: tl.constexpr = BC // 8
     t, row, tiles, local, band, tile = work_item(meta_ptr, item_tensor_ptr, T_TILES, T_FIRST_ITEM)
-    n = tl.load(row + T_N)
-    m = tl.load(row + T_M)
-    held_lo = tl.load(row + T_LO)
-    held_hi = tl.load(row + T_HI)
-    w_ptr = tl.load(row + T_W).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + T_G).to(tl.pointer_type(W_DTYPE))
-    row_v_ptr = tl.load(row + T_ROW_V).to(tl.pointer_type(tl.float32))
-    col_v_ptr = tl.load(row + T_COL_V).to(tl.pointer_type(tl.float32))
+    n, m, held_lo, held_hi = v_span(row)
+    w_ptr, g_ptr, row_v_ptr, col_v_ptr = tensor_pointers(row, W_DTYPE)
     part = partial_ptr + tl.load(row + T_PARTIAL_AT)
     m_part = partial_ptr + tl.load(row + T_M_PARTIAL_AT)
     if VECTOR:  # tell the compiler what the host checked, so that loads and stores are 16 bytes wide

@@ -1,6 +1,7 @@
 """The Triton kernels' table of tensors and their launch geometry: tile shape, the table's columns
 (one ``T_*`` constant per field: the kernels read ``row + T_N``, the host fills a row by name), and
-:func:`layout`, where each tensor's work items, partial sums and bit scratch lie."""
+:func:`layout`, where each tensor's work items, partial sums and bit scratch lie, and :func:`levels_layout`,
+the same for tensors under the block-levels code of M."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ...levels import BLOCK as LEVELS_BLOCK
 
 # The step kernel's geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of 8 × 128
 # on 8 warps, so that each warp holds one row of a tile (4 elements a thread) and a row's sums stay in its
@@ -101,3 +104,33 @@ def layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool,
     items = torch.repeat_interleave(index, torch.tensor(counts))
     sums_items = torch.repeat_interleave(index, torch.tensor(sums_counts))
     return geometry, items.to(device), sums_items.to(device), partial_at, words_at
+
+
+@functools.lru_cache(maxsize=256)
+def levels_layout(spans: tuple[tuple[int, int, int, int, int, int], ...], device: torch.device, block_cols: int,
+                  band_rows: int, blocks_per_item: int) -> tuple[list[dict[str, int]], Tensor, Tensor, int, int]:
+    """:func:`layout` for tensors under the block-levels code (``magnitude_bits=3``), whose spans are
+    (n, m, lo, hi, rows, cols): V's n×m view's elements lo .. hi, and the rows × cols of M (the param's rows
+    held) that the same elements make. V's fields are :func:`layout`'s; the fields of M's view hold M's rows
+    and columns, its blocks per row (``m_tiles``) and the first of the tensor's work items of the levels
+    step kernel (``first_sums_item``: one per ``blocks_per_item`` blocks). Partial sums per tensor: V's only,
+    as :func:`layout` lays them out. Returns the same five as :func:`layout` (its second list of work items
+    is the levels step kernel's; no bit scratch)."""
+    geometry, counts, step_counts = [], [], []
+    first_item = first_step_item = partial_at = 0
+    for n, m, lo, hi, rows, cols in spans:
+        tiles, bands = triton.cdiv(m, block_cols), triton.cdiv(triton.cdiv(hi, m) - lo // m, band_rows)
+        blocks_per_row = triton.cdiv(cols, LEVELS_BLOCK)
+        geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item, partial_at=partial_at,
+                             words_at=0, lo=lo, hi=hi, m_cols=cols, m_rows=rows, m_tiles=blocks_per_row, m_bands=0,
+                             first_sums_item=first_step_item, m_partial_at=0, new_m_at=0, level_sums_at=0,
+                             flag_words_at=0))
+        counts.append(tiles * bands)
+        step_counts.append(triton.cdiv(rows * blocks_per_row, blocks_per_item))
+        first_item += counts[-1]
+        first_step_item += step_counts[-1]
+        partial_at += tiles * n + bands * m
+    index = torch.arange(len(spans), dtype=torch.int32)
+    items = torch.repeat_interleave(index, torch.tensor(counts))
+    step_items = torch.repeat_interleave(index, torch.tensor(step_counts))
+    return geometry, items.to(device), step_items.to(device), partial_at, 0

@@ -6,9 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .table import (
-    META_COLUMNS,
-)
+from .table import META_COLUMNS, T_COL_V, T_G, T_HI, T_LO, T_M, T_N, T_ROW_V, T_W
 
 
 @triton.jit
@@ -67,6 +65,19 @@ def work_item(meta_ptr, item_tensor_ptr, TILES: tl.constexpr, FIRST_ITEM: tl.con
     tiles = tl.load(row + TILES)
     local = item - tl.load(row + FIRST_ITEM)
     return t, row, tiles, local, local // tiles, local % tiles
+
+
+@triton.jit
+def v_span(row):
+    """A table row's n×m view of V and the elements lo .. hi of it that the weight and gradient hold."""
+    return tl.load(row + T_N), tl.load(row + T_M), tl.load(row + T_LO), tl.load(row + T_HI)
+
+
+@triton.jit
+def tensor_pointers(row, W_DTYPE: tl.constexpr):
+    """A table row's weight and gradient (of the launch's dtype) and V's row and column factors (fp32)."""
+    return (tl.load(row + T_W).to(tl.pointer_type(W_DTYPE)), tl.load(row + T_G).to(tl.pointer_type(W_DTYPE)),
+            tl.load(row + T_ROW_V).to(tl.pointer_type(tl.float32)), tl.load(row + T_COL_V).to(tl.pointer_type(tl.float32)))
 
 
 @triton.jit
