@@ -8,7 +8,8 @@
 # and, opt-in, `training`: `smmf bench --training --device cuda`
 # (GPT-2 medium and large; the largest model within 24 GiB and within the card); opt-in, `study`:
 # `smmf compare` on stdlib-lm and finetune-lm with the peers, 3 seeds, runs side by side on the GPU
-# (partial results are kept when a task hits its limit), beside the tests.
+# (partial results are kept when a task hits its limit), beside the tests; resumed from the runs committed in
+# docs/lm-study (`--resume` keeps those this command would make again), so that sessions add up.
 # Writes at most 8 files to $OUT (default ./gpu-out). Needs torch with CUDA, triton, numba, transformers,
 # pytest, pytest-xdist, pytest-timeout and hypothesis (the study: pytorch_optimizer and the peers, which
 # may come on PYTHONPATH).
@@ -51,9 +52,11 @@ if wanted study; then
   mkdir -p runs  # ignored by git: a fresh copy of the checkout has none
   i=0
   for task in stdlib-lm finetune-lm; do
+    mkdir -p "runs/study-$task"
+    [[ -f "runs/study-$task/results.json" ]] || cp "docs/lm-study/$task/results.json" "runs/study-$task/" 2>/dev/null
     timeout "${limits[$i]:-180}" python3 -m smmf.cli compare --device cuda --tasks $task --seeds 3 --jobs 8 \
       --optimizers adamw,adam,adafactor,sm3,came,smmf,smmf-natural,smmf-natural-flag,smmf-recommended,torchao-adamw8bit,torchao-adamw4bit,bnb-adamw8bit,adv-adamw-factored \
-      --cache runs/cache --out "runs/study-$task" > "runs/study-$task.log" 2>&1
+      --cache runs/cache --out "runs/study-$task" --resume > "runs/study-$task.log" 2>&1
     echo "study $task rc=$? ($(date +%T))" | tee -a "$LOG"
     grep -v "it/s\]\|Warning\|warn" "runs/study-$task.log" | tail -25 >> "$LOG"
     if [[ -f "runs/study-$task/results.json" ]]; then cp "runs/study-$task/results.json" "$OUT/study-$task.json"

@@ -327,3 +327,42 @@ def test_state_bytes_of_torchao_quantized_state_are_its_inner_tensors() -> None:
     assert storage_bytes([eight]) < eight.numel() * eight.element_size() / 3  # the naive count is 4 B/element
     four = OptimState4bit.zeros((128, 64), signed=False, block_size=128)
     assert storage_bytes([four]) == 128 * 64 // 2 + (128 * 64 // 128) * 4 + 16 * 4  # 4-bit codes, scales, qmap
+
+
+def test_resume_takes_the_runs_already_made_and_runs_the_others(tmp_path, capsys) -> None:
+    """``--resume``: a finished run that this command would make again (same task, optimizer, seed, steps,
+    hyperparameters, kind of device) is kept as it is, whether its file recorded steps and device or only
+    its curves (an earlier version's); one made with other hyperparameters or steps runs again."""
+    from smmf.bench.compare import run, stored_results, write_outputs
+
+    kwargs = dict(tasks=["digits-cnn"], optimizers=["adam", "smmf"], steps=4, seed=0, device=torch.device("cpu"),
+                  opt_args=[], quick=True, show_progress=False)
+    first = run(**kwargs)
+    adam, smmf = first
+    assert (adam["steps"], adam["eval_every"], adam["device"]) == (4, 1, "cpu") and adam["code"]
+    adam = {**adam, "losses": [123.0] * 4}  # a mark: kept, not run again
+    old = {k: v for k, v in smmf.items() if k not in ("steps", "eval_every", "device", "code")}  # an older file's
+    other = {**smmf, "kwargs": {**smmf["kwargs"], "lr": "0.5"}, "seed": 1}
+    write_outputs([adam, old, other], {"command": "smmf compare", "code": "0123abc", "machine": "cpu"}, tmp_path,
+                  plots=False)
+    kept = stored_results(tmp_path)
+    assert [r["code"] for r in kept] == [adam["code"], "0123abc", smmf["code"]]
+    again = run(**kwargs, kept=kept)
+    assert again[0]["losses"] == [123.0] * 4 and again[1] is kept[1]
+    assert "1 earlier run(s) are not among this command's runs" in capsys.readouterr().err
+    rerun = run(**{**kwargs, "steps": 3}, kept=kept)  # other steps: nothing matches
+    assert [len(r["losses"]) for r in rerun] == [3, 3]
+    changed = run(**{**kwargs, "opt_args": ["smmf:lr=0.5"]}, kept=kept)  # smmf's lr differs from seed 0's
+    assert changed[0] is kept[0] and changed[1] is not kept[1] and changed[1]["kwargs"]["lr"] == "0.5"
+    write_outputs(again, {"command": "smmf compare --resume", "code": adam["code"], "machine": "cpu"}, tmp_path,
+                  plots=False)
+    assert "runs kept from earlier commands: 0123abc" in (tmp_path / "results.md").read_text()
+
+
+def test_spread_over_seeds_of_runs_too_short_for_loss_at_100() -> None:
+    """Several seeds of runs shorter than 100 steps (loss@100 is NaN) or that diverged make a table, not a crash."""
+    from smmf.bench.compare import _spread
+
+    assert _spread([float("nan"), float("nan")]) == "nan ± nan"
+    assert _spread([1.0, float("inf")]) == "inf ± nan"
+    assert _spread([1.0, 3.0]) == "2 ± 1.4"

@@ -22,7 +22,7 @@ import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -154,10 +154,12 @@ def loss_at(losses: list[float], step: int) -> float:
 
 
 def _spread(values: list[float]) -> str:
-    """``mean ± standard deviation`` (just the value for one seed)."""
+    """``mean ± standard deviation`` (just the value for one seed; NaN where a value is not finite: a run
+    shorter than the step asked for, or one that diverged — Python 3.11's ``stdev`` raises on them)."""
     if len(values) == 1:
         return f"{values[0]:.4g}"
-    return f"{statistics.fmean(values):.4g} ± {statistics.stdev(values):.2g}"
+    spread = statistics.stdev(values) if all(math.isfinite(v) for v in values) else float("nan")
+    return f"{statistics.fmean(values):.4g} ± {spread:.2g}"
 
 
 def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
@@ -209,12 +211,18 @@ def _write(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def _commits(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    """The commit of this command, and of the runs kept from earlier ones (``--resume``) where they differ."""
+    earlier = sorted({r["code"] for r in results if r.get("code", meta["code"]) != meta["code"]})
+    return meta["code"] + (f" (runs kept from earlier commands: {', '.join(earlier)})" if earlier else "")
+
+
 def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path, plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     headers, rows = summary_rows(results)
     note = smmf_note(results)
     _write(out / "results.md",
-        f"Command: `{meta['command']}`  \nCode: commit {meta['code']}  \nMachine: {meta['machine']}\n\n"
+        f"Command: `{meta['command']}`  \nCode: commit {_commits(meta, results)}  \nMachine: {meta['machine']}\n\n"
         + format_table(headers, rows, "markdown") + (f"\n{note}\n" if note else "")
     )
     _write(out / "results.csv", format_table(headers, rows, "csv"))
@@ -238,14 +246,17 @@ def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device)
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,
         opt_args: list[str], quick: bool, show_progress: bool = True, seeds: int = 1, cache: Optional[str] = None,
         pretrain_steps: Optional[int] = None, jobs: int = 1,
-        finished: Optional[Callable[[list[dict[str, Any]]], None]] = None) -> list[dict[str, Any]]:
+        finished: Optional[Callable[[list[dict[str, Any]]], None]] = None,
+        kept: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Every (task, optimizer, seed) run, each in a fresh process (see :func:`train_in_fresh_process`);
     seeds ``seed .. seed + seeds - 1``, every optimizer's first seed before any second one. An optimizer
     whose package is missing gets one skipped entry per task (and a note on stderr) instead of runs.
     ``cache`` and ``pretrain_steps`` are finetune-lm's. ``jobs``: runs at a time, each in its own process
     with an equal share of the CPU cores (a line per finished run then stands in for the progress bars).
     ``finished`` is called with the results so far (in submission order) whenever a run ends, so that a
-    long study that is stopped keeps what it finished."""
+    long study that is stopped keeps what it finished. ``kept``: results of earlier runs (``--resume``); a run
+    that one of them already made (:func:`_run_key`: the same task, optimizer, seed, steps, evaluations,
+    hyperparameters and kind of device) is taken from there instead of being run again."""
     slots: list[Any] = []
     pool = ThreadPoolExecutor(max_workers=jobs) if jobs > 1 else None
     threads = max(1, _cores() // jobs) if pool is not None else None
@@ -253,6 +264,8 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
     for name, why in skipped.items():
         print(f"{PROG}: skipping {name}: {why}", file=sys.stderr, flush=True)
     lock = threading.Lock()
+    earlier = {_run_key(r): r for r in kept if not r.get("skipped")}
+    taken = 0
 
     def done(_: Any = None) -> None:
         if finished is None:
@@ -283,16 +296,55 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
                            steps=n_steps, eval_every=eval_every, seed=run_seed, device=str(device),
                            progress=show_progress and pool is None, cache=cache, pretrain_steps=pretrain_steps,
                            threads=threads)
-                if pool is None:
+                made = earlier.get(_job_key(task, job))
+                if made is not None:
+                    slots.append(made)
+                    taken += 1
+                    done()
+                elif pool is None:
                     slots.append(_timed_run(job))
                     done()
                 else:
                     slots.append(future := pool.submit(_timed_run, job, show_progress))
                     future.add_done_callback(done)
+    if len(earlier) > taken:
+        print(f"{PROG}: --resume: {len(earlier) - taken} earlier run(s) are not among this command's runs and are left "
+              "out of its results", file=sys.stderr, flush=True)
     if pool is not None:
         with pool:
             return [s if isinstance(s, dict) else s.result() for s in slots]
     return slots
+
+
+def _job_key(task: Task, job: dict[str, Any]) -> tuple:
+    """What decides a run's result, as :func:`_run_key` reads it from a finished one."""
+    spec = optimizer_specs(task.kind)[job["optimizer"]]
+    overrides = parse_opt_args(job["opt_args"]).get(job["optimizer"], {})
+    kwargs = {k: repr(v) for k, v in {**spec.kwargs, **overrides}.items()}
+    return (job["task"], job["optimizer"], job["seed"], job["steps"], job["eval_every"], tuple(sorted(kwargs.items())),
+            torch.device(job["device"]).type)
+
+
+def _run_key(result: dict[str, Any]) -> tuple:
+    """A finished run's :func:`_job_key` (its steps and evaluations read from its curves where an earlier
+    version did not record them; a run that diverged then never matches)."""
+    evals = result.get("evals") or [{}]
+    steps = result.get("steps") or (None if result.get("diverged") else len(result.get("losses", [])))
+    return (result["task"], result["optimizer"], result.get("seed"), steps,
+            result.get("eval_every") or evals[0].get("step"), tuple(sorted(result.get("kwargs", {}).items())),
+            result.get("device"))
+
+
+def stored_results(out: Path) -> list[dict[str, Any]]:
+    """The runs of ``out/results.json`` (none if there is none), each with the commit and the kind of device
+    it ran on (from the file's header where the run does not say)."""
+    path = out / "results.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    meta = data.get("meta", {})
+    device = "cuda" if "--device cuda" in meta.get("command", "") or "NVIDIA" in meta.get("machine", "") else "cpu"
+    return [{"device": device, "code": meta.get("code", "unknown"), **r} for r in data.get("results", [])]
 
 
 def _cores() -> int:
@@ -303,7 +355,9 @@ def _cores() -> int:
 def _timed_run(job: dict[str, Any], announce: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     result = train_in_fresh_process(job)
-    result = {**result, "seed": job["seed"], "wall_s": time.perf_counter() - started, "threads": job["threads"]}
+    result = {**result, "seed": job["seed"], "steps": job["steps"], "eval_every": job["eval_every"],
+              "device": torch.device(job["device"]).type, "code": _code_version(), "wall_s": time.perf_counter() - started,
+              "threads": job["threads"]}
     if announce:
         print(f"{job['task']} {result['label']} (seed {job['seed']}): {result['wall_s']:.0f} s", file=sys.stderr, flush=True)
     return result
@@ -361,6 +415,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
                         help="runs at a time, each in its own process with an equal share of the CPU cores "
                              f"(on CUDA all share the GPU, and so do their step times) (default: {DEFAULT_JOBS})")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs of --out's results.json that this command would make again (same task, "
+                             "optimizer, seed, steps, hyperparameters, kind of device) and run only the others")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
@@ -408,6 +465,7 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         _child(json.loads(args.child))
         return 0
     tasks, optimizers, device, _, out = check_args(args)
+    kept = stored_results(out) if args.resume else []
     started = time.time()
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),
@@ -421,7 +479,7 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         write_outputs(results, {**meta, "seconds": time.time() - started, "complete": False}, out, plots=False)
 
     results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds,
-                  cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=args.jobs, finished=so_far)
+                  cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=args.jobs, finished=so_far, kept=kept)
     meta |= {"seconds": time.time() - started, "complete": True}
     write_outputs(results, meta, out)
     headers, rows = summary_rows(results)
@@ -459,6 +517,8 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
         echo.append(f"--pretrain-steps {args.pretrain_steps}")
     if args.cache:
         echo.append(f"--cache {args.cache}")
+    if args.resume:
+        echo.append("--resume")
     echo += [f"--opt-args {a}" for a in args.opt_args]
     return echo
 
