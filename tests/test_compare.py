@@ -329,34 +329,60 @@ def test_state_bytes_of_torchao_quantized_state_are_its_inner_tensors() -> None:
     assert storage_bytes([four]) == 128 * 64 // 2 + (128 * 64 // 128) * 4 + 16 * 4  # 4-bit codes, scales, qmap
 
 
-def test_resume_takes_the_runs_already_made_and_runs_the_others(tmp_path, capsys) -> None:
+def test_resume_takes_the_runs_already_made_and_runs_the_others(tmp_path, capsys, monkeypatch) -> None:
     """``--resume``: a finished run that this command would make again (same task, optimizer, seed, steps,
     hyperparameters, kind of device) is kept as it is, whether its file recorded steps and device or only
-    its curves (an earlier version's); one made with other hyperparameters or steps runs again."""
+    its curves (an earlier version's), and even where its optimizer's package is now missing; one made with
+    other hyperparameters or steps runs again, and earlier runs the command does not make stay in its results."""
+    from smmf.bench import compare
     from smmf.bench.compare import run, stored_results, write_outputs
 
     kwargs = dict(tasks=["digits-cnn"], optimizers=["adam", "smmf"], steps=4, seed=0, device=torch.device("cpu"),
                   opt_args=[], quick=True, show_progress=False)
-    first = run(**kwargs)
-    adam, smmf = first
-    assert (adam["steps"], adam["eval_every"], adam["device"]) == (4, 1, "cpu") and adam["code"]
+    adam, smmf = run(**kwargs)
+    assert (adam["steps"], adam["eval_every"], adam["device"], adam["pretrain_steps"]) == (4, 1, "cpu", None)
     adam = {**adam, "losses": [123.0] * 4}  # a mark: kept, not run again
-    old = {k: v for k, v in smmf.items() if k not in ("steps", "eval_every", "device", "code")}  # an older file's
+    old = {k: v for k, v in smmf.items() if k not in ("steps", "eval_every", "device", "code", "pretrain_steps")}
     other = {**smmf, "kwargs": {**smmf["kwargs"], "lr": "0.5"}, "seed": 1}
     write_outputs([adam, old, other], {"command": "smmf compare", "code": "0123abc", "machine": "cpu"}, tmp_path,
                   plots=False)
     kept = stored_results(tmp_path)
     assert [r["code"] for r in kept] == [adam["code"], "0123abc", smmf["code"]]
     again = run(**kwargs, kept=kept)
-    assert again[0]["losses"] == [123.0] * 4 and again[1] is kept[1]
-    assert "1 earlier run(s) are not among this command's runs" in capsys.readouterr().err
-    rerun = run(**{**kwargs, "steps": 3}, kept=kept)  # other steps: nothing matches
-    assert [len(r["losses"]) for r in rerun] == [3, 3]
+    assert again[0] is kept[2] and again[1]["losses"] == [123.0] * 4 and again[2] is kept[1]
+    assert "1 earlier run(s) that this command would not make are kept" in capsys.readouterr().err
+    rerun = run(**{**kwargs, "steps": 3}, kept=kept)  # other steps: nothing matches, nothing is lost
+    assert rerun[:3] == kept and [len(r["losses"]) for r in rerun[3:]] == [3, 3]
     changed = run(**{**kwargs, "opt_args": ["smmf:lr=0.5"]}, kept=kept)  # smmf's lr differs from seed 0's
-    assert changed[0] is kept[0] and changed[1] is not kept[1] and changed[1]["kwargs"]["lr"] == "0.5"
+    assert changed[:3] == [kept[1], kept[2], kept[0]] and changed[3]["kwargs"]["lr"] == "0.5"
+    monkeypatch.setattr(compare, "missing_package", lambda spec: "gone" if spec.label == adam["label"] else None)
+    assert run(**kwargs, kept=kept)[1] is kept[0]  # adam's package missing now: its earlier run still counts
     write_outputs(again, {"command": "smmf compare --resume", "code": adam["code"], "machine": "cpu"}, tmp_path,
                   plots=False)
     assert "runs kept from earlier commands: 0123abc" in (tmp_path / "results.md").read_text()
+
+
+def test_resume_tells_finetune_runs_apart_by_their_pretraining(tmp_path) -> None:
+    """A fine-tuning run starts from a checkpoint pretrained for ``--pretrain-steps``: runs from another
+    pretraining are not taken, as recorded by the run or, in an older file, by its command."""
+    from smmf.bench.compare import _job_key, _run_key, stored_results, write_outputs
+    from smmf.bench.tasks import PRETRAIN_STEPS, TASKS
+
+    job = dict(task="finetune-lm", optimizer="adamw", opt_args=[], steps=300, eval_every=15, seed=0, device="cpu",
+               pretrain_steps=None)
+    task = TASKS["finetune-lm"]
+    assert _job_key(task, job) == _job_key(task, {**job, "pretrain_steps": PRETRAIN_STEPS})
+    assert _job_key(task, job) != _job_key(task, {**job, "pretrain_steps": 100})
+    kwargs = {"lr": "0.0003", "betas": "(0.9, 0.999)", "eps": "1e-08", "weight_decay": "0.0005"}
+    result = {"task": "finetune-lm", "optimizer": "adamw", "seed": 0, "kwargs": kwargs, "losses": [1.0] * 300,
+              "evals": [{"step": 15 * k} for k in range(1, 21)], "diverged": False}
+    for command, pretrain in (("smmf compare --tasks finetune-lm", None), ("smmf compare --pretrain-steps 100", 100)):
+        write_outputs([], {"command": command, "code": "0123abc", "machine": "cpu"}, tmp_path, plots=False)
+        data = json.loads((tmp_path / "results.json").read_text())
+        (tmp_path / "results.json").write_text(json.dumps({**data, "results": [result]}))
+        (stored,) = stored_results(tmp_path)
+        assert _run_key(stored) == _job_key(task, {**job, "pretrain_steps": pretrain})
+        assert (_run_key(stored) == _job_key(task, job)) == (pretrain is None)
 
 
 def test_spread_over_seeds_of_runs_too_short_for_loss_at_100() -> None:

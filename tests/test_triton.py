@@ -55,3 +55,17 @@ def test_the_16_byte_hints_are_given_only_where_they_hold() -> None:
     assert not _vector(aligned, aligned, state, 252, 0, aligned.numel())  # rows not whole vectors
     assert not _vector(aligned, aligned, state, 256, 4, aligned.numel())  # a shard starting mid-vector
     assert not _vector(aligned, aligned, state, 256, 0, aligned.numel() - 4)  # or ending there
+
+
+def test_levels_layout_refuses_what_int32_indices_cannot_reach() -> None:
+    """The levels kernels index a row's elements and a tensor's blocks in int32: a row of 2^31 elements (a
+    1-D param of that size is one row) is refused on the host with a clear error, not stepped out of bounds."""
+    import torch
+
+    from smmf.kernels.triton_gpu.table import levels_layout
+
+    cpu = torch.device("cpu")
+    geometry, items, step_items, partial, _ = levels_layout(((6, 8, 0, 48, 4, 12),), cpu, 128, 256, 16)
+    assert geometry[0]["m_tiles"] == 1 and step_items.tolist() == [0] and partial == 6 + 8
+    with pytest.raises(RuntimeError, match="int32"):
+        levels_layout(((2**16, 2**16, 0, 2**32, 1, 2**32),), cpu, 128, 256, 16)

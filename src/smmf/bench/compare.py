@@ -255,17 +255,30 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
     with an equal share of the CPU cores (a line per finished run then stands in for the progress bars).
     ``finished`` is called with the results so far (in submission order) whenever a run ends, so that a
     long study that is stopped keeps what it finished. ``kept``: results of earlier runs (``--resume``); a run
-    that one of them already made (:func:`_run_key`: the same task, optimizer, seed, steps, evaluations,
-    hyperparameters and kind of device) is taken from there instead of being run again."""
-    slots: list[Any] = []
+    that one of them already made (:func:`_job_key`: the same task, optimizer, seed, steps, evaluations,
+    hyperparameters, pretraining and kind of device) is taken from there instead of being run again, and the
+    earlier runs that this command would not make come first in the results, as they were (so that writing
+    the results never loses one)."""
     pool = ThreadPoolExecutor(max_workers=jobs) if jobs > 1 else None
     threads = max(1, _cores() // jobs) if pool is not None else None
     skipped = {name: why for name in optimizers if (why := missing_package(optimizer_specs("cnn")[name]))}
     for name, why in skipped.items():
         print(f"{PROG}: skipping {name}: {why}", file=sys.stderr, flush=True)
-    lock = threading.Lock()
+    planned: dict[str, list[dict[str, Any]]] = {}
+    for task_name in tasks:
+        n_steps = steps or (20 if quick else TASKS[task_name].default_steps)
+        planned[task_name] = [
+            dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
+                 steps=n_steps, eval_every=max(1, n_steps // (4 if quick else 20)), seed=run_seed, device=str(device),
+                 progress=show_progress and pool is None, cache=cache, pretrain_steps=pretrain_steps, threads=threads)
+            for run_seed in range(seed, seed + seeds) for name in optimizers]
     earlier = {_run_key(r): r for r in kept if not r.get("skipped")}
-    taken = 0
+    made_here = {_job_key(TASKS[job["task"]], job) for task_jobs in planned.values() for job in task_jobs}
+    slots: list[Any] = [r for key, r in earlier.items() if key not in made_here]
+    if slots:
+        print(f"{PROG}: --resume: {len(slots)} earlier run(s) that this command would not make are kept in its results "
+              "as they were", file=sys.stderr, flush=True)
+    lock = threading.Lock()
 
     def done(_: Any = None) -> None:
         if finished is None:
@@ -278,38 +291,28 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
                 print(f"{PROG}: could not write the results so far: {type(err).__name__}: {err}", file=sys.stderr,
                       flush=True)
 
-    for task_name in tasks:
+    for task_name, task_jobs in planned.items():
         task = make_task(task_name, cache, pretrain_steps, str(device))
-        n_steps = steps or (20 if quick else task.default_steps)
-        eval_every = max(1, n_steps // (4 if quick else 20))
-        if task.prepare is not None and any(name not in skipped for name in optimizers):
+        to_run = [job for job in task_jobs if job["optimizer"] not in skipped
+                  and _job_key(task, job) not in earlier]
+        if task.prepare is not None and to_run:
             task.prepare(show_progress)  # once, here, so that no run's time includes it
-        for run_seed in range(seed, seed + seeds):
-            for name in optimizers:
-                if name in skipped:
-                    if run_seed == seed:
-                        label = optimizer_specs(task.kind)[name].label
-                        slots.append({"task": task_name, "optimizer": name, "label": label, "skipped": skipped[name],
-                                      "seed": seed})
-                    continue
-                job = dict(task=task_name, optimizer=name, opt_args=[a for a in opt_args if a.partition(":")[0] == name],
-                           steps=n_steps, eval_every=eval_every, seed=run_seed, device=str(device),
-                           progress=show_progress and pool is None, cache=cache, pretrain_steps=pretrain_steps,
-                           threads=threads)
-                made = earlier.get(_job_key(task, job))
-                if made is not None:
-                    slots.append(made)
-                    taken += 1
-                    done()
-                elif pool is None:
-                    slots.append(_timed_run(job))
-                    done()
-                else:
-                    slots.append(future := pool.submit(_timed_run, job, show_progress))
-                    future.add_done_callback(done)
-    if len(earlier) > taken:
-        print(f"{PROG}: --resume: {len(earlier) - taken} earlier run(s) are not among this command's runs and are left "
-              "out of its results", file=sys.stderr, flush=True)
+        for job in task_jobs:
+            name = job["optimizer"]
+            made = earlier.get(_job_key(task, job))
+            if made is not None:  # made by an earlier command (even where its package is now missing)
+                slots.append(made)
+                done()
+            elif name in skipped:
+                if job["seed"] == seed:
+                    slots.append({"task": task_name, "optimizer": name, "label": optimizer_specs(task.kind)[name].label,
+                                  "skipped": skipped[name], "seed": seed})
+            elif pool is None:
+                slots.append(_timed_run(job))
+                done()
+            else:
+                slots.append(future := pool.submit(_timed_run, job, show_progress))
+                future.add_done_callback(done)
     if pool is not None:
         with pool:
             return [s if isinstance(s, dict) else s.result() for s in slots]
@@ -322,7 +325,12 @@ def _job_key(task: Task, job: dict[str, Any]) -> tuple:
     overrides = parse_opt_args(job["opt_args"]).get(job["optimizer"], {})
     kwargs = {k: repr(v) for k, v in {**spec.kwargs, **overrides}.items()}
     return (job["task"], job["optimizer"], job["seed"], job["steps"], job["eval_every"], tuple(sorted(kwargs.items())),
-            torch.device(job["device"]).type)
+            _pretraining(job["task"], job.get("pretrain_steps")), torch.device(job["device"]).type)
+
+
+def _pretraining(task_name: str, pretrain_steps: Optional[int]) -> Optional[int]:
+    """The pretraining steps a run of ``task_name`` starts from (None for a task without pretraining)."""
+    return (pretrain_steps or PRETRAIN_STEPS) if TASKS[task_name].prepare is not None else None
 
 
 def _run_key(result: dict[str, Any]) -> tuple:
@@ -332,19 +340,24 @@ def _run_key(result: dict[str, Any]) -> tuple:
     steps = result.get("steps") or (None if result.get("diverged") else len(result.get("losses", [])))
     return (result["task"], result["optimizer"], result.get("seed"), steps,
             result.get("eval_every") or evals[0].get("step"), tuple(sorted(result.get("kwargs", {}).items())),
-            result.get("device"))
+            result.get("pretrain_steps"), result.get("device"))
 
 
 def stored_results(out: Path) -> list[dict[str, Any]]:
-    """The runs of ``out/results.json`` (none if there is none), each with the commit and the kind of device
-    it ran on (from the file's header where the run does not say)."""
+    """The runs of ``out/results.json`` (none if there is none), each with the commit, the kind of device and
+    the pretraining it ran with (from the file's header where the run does not say: files of an earlier
+    version)."""
     path = out / "results.json"
     if not path.exists():
         return []
     data = json.loads(path.read_text())
     meta = data.get("meta", {})
-    device = "cuda" if "--device cuda" in meta.get("command", "") or "NVIDIA" in meta.get("machine", "") else "cpu"
-    return [{"device": device, "code": meta.get("code", "unknown"), **r} for r in data.get("results", [])]
+    command = meta.get("command", "").split()
+    device = meta.get("device") or ("cuda" if "NVIDIA" in meta.get("machine", "") else "cpu")
+    pretrain = int(command[command.index("--pretrain-steps") + 1]) if "--pretrain-steps" in command else None
+    return [{"device": device, "code": meta.get("code", "unknown"),
+             "pretrain_steps": _pretraining(r["task"], pretrain) if r.get("task") in TASKS else None, **r}
+            for r in data.get("results", [])]
 
 
 def _cores() -> int:
@@ -356,6 +369,7 @@ def _timed_run(job: dict[str, Any], announce: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     result = train_in_fresh_process(job)
     result = {**result, "seed": job["seed"], "steps": job["steps"], "eval_every": job["eval_every"],
+              "pretrain_steps": _pretraining(job["task"], job.get("pretrain_steps")),
               "device": torch.device(job["device"]).type, "code": _code_version(), "wall_s": time.perf_counter() - started,
               "threads": job["threads"]}
     if announce:
@@ -417,7 +431,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                              f"(on CUDA all share the GPU, and so do their step times) (default: {DEFAULT_JOBS})")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs of --out's results.json that this command would make again (same task, "
-                             "optimizer, seed, steps, hyperparameters, kind of device) and run only the others")
+                             "optimizer, seed, steps, hyperparameters, pretraining, kind of device) and run only the "
+                             "others; the file's other runs stay in the results")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
@@ -471,6 +486,7 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         "command": "smmf compare " + " ".join(_argv_echo(args)),
         "code": _code_version(),
         "machine": _machine(device),
+        "device": device.type,
         "seeds": list(range(args.seed, args.seed + args.seeds)),
         "jobs": args.jobs,
     }

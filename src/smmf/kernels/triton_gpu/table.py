@@ -121,6 +121,10 @@ def levels_layout(spans: tuple[tuple[int, int, int, int, int, int], ...], device
     for n, m, lo, hi, rows, cols in spans:
         tiles, bands = triton.cdiv(m, block_cols), triton.cdiv(triton.cdiv(hi, m) - lo // m, band_rows)
         blocks_per_row = triton.cdiv(cols, LEVELS_BLOCK)
+        if cols + LEVELS_BLOCK >= 2**31 or rows * blocks_per_row >= 2**31:
+            raise RuntimeError(f"the Triton kernels of the levels code index a row's elements and a tensor's blocks in "
+                               f"int32: M of {rows} × {cols} (a 1-D param is one row) is too large for them; "
+                               "use backend='torch' for it")
         geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item, partial_at=partial_at,
                              words_at=0, lo=lo, hi=hi, m_cols=cols, m_rows=rows, m_tiles=blocks_per_row, m_bands=0,
                              first_sums_item=first_step_item, m_partial_at=0, new_m_at=0, level_sums_at=0,
