@@ -108,8 +108,6 @@ def run_batched(device: str) -> None:
     dtypes, a param one step behind, every third one's M in its natural shape, every fourth with
     the magnitude flag and two under the levels code (their own kernels, the same NaN/inf counter): each
     equals its own torch-path step."""
-    from smmf.kernels.triton_gpu import triton_steps_
-
     gen = torch.Generator().manual_seed(1)
     shapes = SHAPES + [(875, 800), (1001, 999)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
@@ -117,29 +115,25 @@ def run_batched(device: str) -> None:
     groups = [{"beta": 0.9, "vector_reshape": True, "momentum_shape": "natural" if i % 3 == 2 else "square",
                "magnitude_bits": 3 if i % 5 == 3 else int(i % 4 == 1)} for i in range(len(params))]
     states = [init_state(p, group) for p, group in zip(params, groups)]
+    grads = [torch.empty_like(p) for p in params]
+
+    def same(p: torch.Tensor, st: dict, ref_p: torch.Tensor, ref_st: dict, cfg: StepConfig) -> None:
+        tol = 1e-5 if p.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(p.float(), ref_p.float(), rtol=tol, atol=tol)
+        _same_code(st, ref_st, cfg)
+        for key in ("sign_m", "flag_m", "codes_m", "scales_m"):
+            if key in ref_st:
+                flips = (st[key] != ref_st[key]).sum().item()
+                assert flips <= max(1, 1e-3 * st[key].numel()), (key, flips)
+
     for step in range(1, 4):
-        items, expected = [], []
-        for i, (p, st) in enumerate(zip(params, states)):
+        configs = []
+        for i, p in enumerate(params):
             own_step = max(1, step - (i % 2))  # half the params lag a step: two configs per launch
-            cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, own_step), beta2=beta2_at(-0.8, own_step), eps=1e-8,
-                             weight_decay=0.01, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False,
-                             code=momentum_code(p, groups[i]))
-            g = torch.randn(p.shape, generator=gen).to(device, p.dtype)
-            ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-            torch_step_(ref_p, g, ref_st, cfg)
-            expected.append((ref_p, ref_st))
-            items.append((p, g, st, cfg))
-        triton_steps_(items)
-        for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
-            tol = 1e-5 if p.dtype == torch.float32 else 1e-2
-            torch.testing.assert_close(p.float(), ref_p.float(), rtol=tol, atol=tol)
-            _same_code(st, ref_st, cfg)
-            for key in ("sign_m", "flag_m", "codes_m", "scales_m"):
-                if key in ref_st:
-                    flips = (st[key] != ref_st[key]).sum().item()
-                    assert flips <= max(1, 1e-3 * st[key].numel()), (key, flips)
-            st.update({k: v for k, v in ref_st.items()})  # continue from identical inputs
-            p.copy_(ref_p)
+            configs.append(StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, own_step), beta2=beta2_at(-0.8, own_step),
+                                      eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True, maximize=False,
+                                      stochastic_rounding=False, code=momentum_code(p, groups[i])))
+        _steps_against_torch(device, params, grads, states, configs, gen, same)  # each goes on from identical inputs
     print(f"{device} batched launch of {len(shapes)} tensors: OK")
 
 

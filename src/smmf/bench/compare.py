@@ -128,7 +128,7 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
         "task": task.name,
         "optimizer": name,
         "label": spec.label,
-        "kwargs": {k: repr(v) for k, v in kwargs.items()},
+        "kwargs": _recorded(kwargs),
         "metric": task.metric,
         "final_metric": metric_values[-1] if metric_values else float("nan"),
         "best_metric": best,
@@ -293,13 +293,12 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
 
     for task_name, task_jobs in planned.items():
         task = make_task(task_name, cache, pretrain_steps, str(device))
-        to_run = [job for job in task_jobs if job["optimizer"] not in skipped
-                  and _job_key(task, job) not in earlier]
-        if task.prepare is not None and to_run:
+        made_before = [earlier.get(_job_key(task, job)) for job in task_jobs]
+        if task.prepare is not None and any(made is None and job["optimizer"] not in skipped
+                                            for job, made in zip(task_jobs, made_before)):
             task.prepare(show_progress)  # once, here, so that no run's time includes it
-        for job in task_jobs:
+        for job, made in zip(task_jobs, made_before):
             name = job["optimizer"]
-            made = earlier.get(_job_key(task, job))
             if made is not None:  # made by an earlier command (even where its package is now missing)
                 slots.append(made)
                 done()
@@ -323,9 +322,14 @@ def _job_key(task: Task, job: dict[str, Any]) -> tuple:
     """What decides a run's result, as :func:`_run_key` reads it from a finished one."""
     spec = optimizer_specs(task.kind)[job["optimizer"]]
     overrides = parse_opt_args(job["opt_args"]).get(job["optimizer"], {})
-    kwargs = {k: repr(v) for k, v in {**spec.kwargs, **overrides}.items()}
+    kwargs = _recorded({**spec.kwargs, **overrides})
     return (job["task"], job["optimizer"], job["seed"], job["steps"], job["eval_every"], tuple(sorted(kwargs.items())),
             _pretraining(job["task"], job.get("pretrain_steps")), torch.device(job["device"]).type)
+
+
+def _recorded(kwargs: dict[str, Any]) -> dict[str, str]:
+    """An optimizer's keyword arguments as a run records them (and ``--resume`` matches them)."""
+    return {k: repr(v) for k, v in kwargs.items()}
 
 
 def _pretraining(task_name: str, pretrain_steps: Optional[int]) -> Optional[int]:

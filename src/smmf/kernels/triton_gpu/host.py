@@ -279,11 +279,15 @@ def _v_shape(state: dict[str, Any]) -> tuple[int, int]:
 
 
 def _on_device(table: list[int], tensors: int, device: torch.device) -> Tensor:
-    """The table's int64 rows on ``device``: pinned, then an async copy (no stream sync; the caching host
-    allocator keeps the buffer until the copy is done)."""
+    """The table's int64 rows on ``device`` (:func:`_to_device`)."""
     assert len(table) == tensors * META_COLUMNS.value, "the table's rows and the kernels' META_COLUMNS disagree"
-    meta = torch.tensor(table, dtype=torch.int64)
-    return meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
+    return _to_device(torch.tensor(table, dtype=torch.int64), device)
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device``: on CUDA pinned, then an async copy (no stream sync; the caching host
+    allocator keeps the buffer until the copy is done)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def _stream(device: torch.device) -> Optional[torch.cuda.Stream]:
@@ -295,8 +299,7 @@ def _salts(configs: list[StepConfig], device: torch.device) -> Optional[Tensor]:
     every step), or None when the levels are rounded to nearest."""
     if configs[0].levels_salt is None:
         return None
-    salts = torch.tensor([cfg.levels_salt for cfg in configs], dtype=torch.int64)
-    return salts.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else salts
+    return _to_device(torch.tensor([cfg.levels_salt for cfg in configs], dtype=torch.int64), device)
 
 
 def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPass] = None,
