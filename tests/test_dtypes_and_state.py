@@ -66,6 +66,51 @@ def test_stochastic_rounding_moves_bf16_weights_that_nearest_rounding_freezes(ba
     assert results[True] < 0.999
 
 
+_NUMBA = "numba" in __import__("smmf.kernels", fromlist=["x"]).available_backends()
+
+
+def _rounded_bf16_run(seed: int, shape: tuple[int, ...], steps: int = 3, **options) -> torch.Tensor:
+    """bf16 weights after ``steps`` stochastically rounded steps: the same weights and gradients whatever
+    ``seed``, which seeds torch's generator (the rounding noise's) only."""
+    data = torch.Generator().manual_seed(123)
+    w = torch.nn.Parameter(torch.randn(*shape, generator=data).bfloat16())
+    grads = [torch.randn(*shape, generator=data).bfloat16() for _ in range(steps)]
+    opt = SMMF([w], lr=1e-3, stochastic_rounding=True, **options)
+    torch.manual_seed(seed)
+    for grad in grads:
+        w.grad = grad
+        opt.step()
+    return w.detach().view(torch.int16).clone()
+
+
+@pytest.mark.skipif(not _NUMBA, reason="no numba")
+@pytest.mark.parametrize("code", [{}, {"magnitude_bits": 1}, {"magnitude_bits": 3}], ids=["paper", "flag", "levels"])
+@pytest.mark.parametrize("shape", [(40, 24), (300, 300)], ids=["serial", "parallel"])
+def test_numba_stochastic_rounding_follows_torch_seed(code: dict, shape: tuple[int, int]) -> None:
+    """As on the torch and Triton paths, torch.manual_seed decides the rounding noise: a run repeats bit for
+    bit (in any process: a resume that restores torch's RNG state is exact), and another seed rounds
+    otherwise."""
+    first = _rounded_bf16_run(0, shape, backend="numba", **code)
+    assert torch.equal(first, _rounded_bf16_run(0, shape, backend="numba", **code))
+    assert not torch.equal(first, _rounded_bf16_run(1, shape, backend="numba", **code))
+
+
+@pytest.mark.skipif(not _NUMBA, reason="no numba")
+def test_numba_stochastic_rounding_is_unbiased() -> None:
+    """Updates of 1/78 of an ulp, 50 steps: the rounded bf16 weights' mean lands on the fp32 run's."""
+    means = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.ones(256, 256, dtype=dtype))
+        opt = SMMF([w], lr=1e-4, stochastic_rounding=True, backend="numba")
+        for _ in range(50):
+            w.grad = torch.ones_like(w)
+            opt.step()
+        means[dtype] = w.double().mean().item()
+    assert means[torch.float32] < 0.999
+    assert abs(means[torch.bfloat16] - means[torch.float32]) < 2e-4  # ~8 standard deviations of the mean
+
+
 def test_state_bytes_follow_the_formula() -> None:
     shapes = [(12564, 768), (2304, 768), (768, 3072), (768,), (64, 3, 7, 7), (13,), ()]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]

@@ -1,5 +1,5 @@
-"""How the numba kernels read and write memory: prefetches, bf16 weights as fp32 rows, and packed
-bits as 0/1 bytes."""
+"""How the numba kernels read and write memory: prefetches, bf16 weights as fp32 rows (rounded to
+nearest or stochastically), and packed bits as 0/1 bytes; and the counter hash their noise comes from."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
+
+from ...levels import DITHER_MULTIPLIERS
 
 
 @intrinsic
@@ -53,10 +55,44 @@ def load(src, start, length, buf):
     raise NotImplementedError("compiled only")
 
 
-def store(dst, start, row, sr):
+def store(dst, start, row, sr, noise_base):
     """Write a loaded row back: nothing for fp32/fp64 (it lives in ``dst``); bf16 rounds to
-    nearest even, or stochastically with ``sr``."""
+    nearest even, or stochastically with ``sr``: element j adds the top 16 bits of
+    :func:`hash32_at` (``noise_base``, j) below its kept bits (``noise_base``: the step's seed plus the
+    row's first index in the param, so that the noise follows torch's generator, which drew the seed,
+    and no two elements of a step share it)."""
     raise NotImplementedError("compiled only")
+
+
+def mix32_ir(builder, x):
+    """LLVM IR of :func:`smmf.levels._mix32` on an i32 value ``x`` (two multiply-xorshift rounds), in
+    32-bit lanes: numba widens integer products to 64 bits, whose vector multiply (``vpmullq``) made the
+    hash cost 1.5× more per element."""
+    i32 = ir.IntType(32)
+
+    def xorshift(v, bits):
+        return builder.xor(v, builder.lshr(v, ir.Constant(i32, bits)))
+
+    x = xorshift(builder.mul(xorshift(x, 16), ir.Constant(i32, DITHER_MULTIPLIERS[0])), 15)
+    return xorshift(builder.mul(x, ir.Constant(i32, DITHER_MULTIPLIERS[1])), 16)
+
+
+def hashed_i32(builder, base, offset):
+    """The i32 hash of (``base`` + ``offset``) mod 2³², both truncated alone, so that a loop's counter as
+    ``offset`` vectorizes in 32-bit lanes."""
+    i32 = ir.IntType(32)
+    return mix32_ir(builder, builder.add(builder.trunc(base, i32), builder.trunc(offset, i32)))
+
+
+@intrinsic
+def hash32_at(typingctx, base, offset):  # noqa: ARG001 - numba's intrinsic signature
+    """:func:`smmf.levels._mix32` of (``base`` + ``offset``) mod 2³², a uint32."""
+    def codegen(context, builder, signature, args):
+        return hashed_i32(builder, args[0], args[1])
+
+    if not all(isinstance(t, types.Integer) and t.bitwidth >= 32 for t in (base, offset)):
+        return None
+    return types.uint32(base, offset), codegen
 
 
 @overload(load, inline="always")
@@ -72,22 +108,22 @@ def _overload_load(src, start, length, buf):
 
 
 @overload(store, inline="always")
-def _overload_store(dst, start, row, sr):
+def _overload_store(dst, start, row, sr, noise_base):
     if dst.dtype == types.int16:
-        def store_bf16(dst, start, row, sr):
+        def store_bf16(dst, start, row, sr, noise_base):
             bits = row.view(np.uint32)
             for j in range(bits.shape[0]):
                 u = bits[j]
                 if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
                     u = u | np.uint32(0x00400000)  # NaN stays NaN: the quiet bit survives truncation
                 elif sr:
-                    u = u + np.uint32(np.random.randint(0, 65536))  # stochastic rounding
+                    u = u + (hash32_at(noise_base, j) >> np.uint32(16))  # stochastic rounding
                 else:
                     u = nearest_even(u)
                 dst[start + j] = bf16_bits(u)
 
         return store_bf16
-    return lambda dst, start, row, sr: None
+    return lambda dst, start, row, sr, noise_base: None
 
 
 

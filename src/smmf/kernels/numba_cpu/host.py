@@ -77,6 +77,15 @@ def _group_scalars(cfg: StepConfig, dtype: torch.dtype) -> tuple[Any, ...]:
     return tuple(map(_work_scalar(dtype), _group_numbers(cfg, dtype)))
 
 
+def rounding_seed(weight: Tensor, cfg: StepConfig) -> int:
+    """The seed of a launch's bf16 stochastic rounding, drawn from torch's generator as the other paths draw
+    their noise (so ``torch.manual_seed`` decides it, and a resumed run that restores torch's RNG state
+    rounds as the uninterrupted one); 0, drawing nothing, where nothing is rounded stochastically."""
+    if cfg.stochastic_rounding and weight.dtype == torch.bfloat16:
+        return int(torch.randint(0, 2**30, ()).item())
+    return 0
+
+
 def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, rows: int, cols: int,
            lo: int, hi: int, flag_pass: Optional[FlagPass] = None) -> int:
     """Run the kernel over the elements ``lo .. hi`` of the rows × cols matrix that ``weight``
@@ -105,7 +114,8 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
         row_m=state[ROW_M].numpy() if has_m else empty, col_m=state[COL_M].numpy() if has_m else empty,
         row_v=state[ROW_V].numpy(), col_v=state[COL_V].numpy())
     geo = Geometry(n=rows, m=cols, m_cols=m_cols, row0=row0, rows_per_block=rows_per_block, lo=lo, hi=hi)
-    opts = Options(has_m=has_m, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole)
+    opts = Options(has_m=has_m, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole,
+                   sr_seed=rounding_seed(weight, cfg))
     sc = scalars(cfg, rows * cols, dtype)
     w, g = _as_numpy(weight), _as_numpy(grad)
     parallel = hi - lo >= PARALLEL_MIN_NUMEL
@@ -153,7 +163,8 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     scalar = _work_scalar(dtype)
     geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, lo=lo, rows_per_block=rows_per_block,
                          dither=cfg.levels_salt is not None, salt=cfg.levels_salt or 0)
-    opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole)
+    opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole,
+                   sr_seed=rounding_seed(weight, cfg))
     sc = scalars(cfg, n * m, dtype)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     args = (_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(), state[SCALES_M].view(torch.int16).numpy(),

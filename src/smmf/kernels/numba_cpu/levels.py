@@ -18,12 +18,12 @@ from typing import Any
 import numba
 import numpy as np
 
-from ...levels import BLOCK, DITHER_BITS, DITHER_MULTIPLIERS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from ...levels import BLOCK, DITHER_BITS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from .access import bf16_bits, load, nearest_even, store
+from .access import bf16_bits, hashed_i32, load, nearest_even, store
 from .cache import FASTMATH, KERNEL_OPTIONS, cached_njit
 from .elements import capped, count_bad, element
 from .passes import _finish_cols
@@ -60,22 +60,13 @@ _SEVENTH, _SEVEN, _HALF, _SCALE_MAX = 0, 1, 2, 3
 
 
 @intrinsic
-def dither_at(typingctx, base, offset):
+def dither_at(typingctx, base, offset):  # noqa: ARG001 - numba's intrinsic signature
     """:func:`smmf.levels.dither` of the element at index ``base + offset`` with the salt already in ``base``
-    (salt + the index of a run's first element): a float32 in [0, 1) (exact in either work dtype). Written in
-    LLVM IR on 32-bit integers: numba widens integer products to 64 bits, whose vector multiply (``vpmullq``)
-    made the hash cost 1.5× more per element than 32-bit lanes do; and a loop's counter as ``offset`` is
-    truncated alone, so that the vectorized loop counts in 32-bit lanes too."""
+    (salt + the index of a run's first element): a float32 in [0, 1) (exact in either work dtype), from
+    :func:`~smmf.kernels.numba_cpu.access.hashed_i32`'s 32-bit lanes."""
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        x = builder.add(builder.trunc(args[0], i32), builder.trunc(args[1], i32))  # mod 2³²
-
-        def xorshift(v, bits):
-            return builder.xor(v, builder.lshr(v, ir.Constant(i32, bits)))
-
-        x = xorshift(builder.mul(xorshift(x, 16), ir.Constant(i32, DITHER_MULTIPLIERS[0])), 15)
-        x = xorshift(builder.mul(x, ir.Constant(i32, DITHER_MULTIPLIERS[1])), 16)
-        top = builder.lshr(x, ir.Constant(i32, 32 - DITHER_BITS))  # < 2²⁴: exact as a float32
+        x = hashed_i32(builder, args[0], args[1])
+        top = builder.lshr(x, ir.Constant(ir.IntType(32), 32 - DITHER_BITS))  # < 2²⁴: exact as a float32
         return builder.fmul(builder.sitofp(top, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0 ** -DITHER_BITS))
 
     if not all(isinstance(t, types.Integer) and t.bitwidth >= 32 for t in (base, offset)):
@@ -249,7 +240,7 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
                 scales[r, c0 // BLOCK] = stored
                 _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width], geo.lo + start, geo)
                 pack_codes(codes[r], c0, width, cbuf)
-                store(w, start, wseg, opts.sr)
+                store(w, start, wseg, opts.sr, opts.sr_seed + geo.lo + start)
         bad_counts[b] = bad
     # V's new factors from the blocks' sums (the old ones were read until here); a shard's raw sums.
     row_v[:] = 0

@@ -164,7 +164,7 @@ def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, fir
                     wseg, gseg, col_v[col0 : col0 + width], acc_v[col0 : col0 + width], row_v[i], sc, opts.zero_bad)
             sums_v[i - first_row] += sum_v
             bad += seg_bad
-            store(w, here, wseg, opts.sr)
+            store(w, here, wseg, opts.sr, opts.sr_seed + start)
     row_v[first_row:end_row] = sums_v
     return bad
 
@@ -306,7 +306,7 @@ def _flag_rows_pass(w, g, signs, flags, row_m, col_m, new_row_m, new_col_m, leve
                 pack_bytes(flags, first, count, flag_lanes)
             if updates:
                 sums_v[i - first_row] += sum_v
-                store(w, here, wseg, opts.sr)
+                store(w, here, wseg, opts.sr, opts.sr_seed + start)
     if updates:
         row_v[first_row:end_row] = sums_v
     return bad
@@ -417,7 +417,7 @@ def many_kernel(addresses, sizes, scalars, flags, bad_counts):
             _float_array(a[0], n * m), _float_array(a[1], n * m), signs, row_m, col_m, _float_array(a[5], n),
             _float_array(a[6], m), np.empty((1, col_m.shape[0]), dtype=np.float32), np.empty((1, m), dtype=np.float32),
             np.empty((1, m_rows_touched(n, m, m_cols)), dtype=np.float32), bad,
-            Geometry(n, m, m_cols, 0, n, 0, n * m), Options(has_m, False, flags[t, 1] != 0, True),
+            Geometry(n, m, m_cols, 0, n, 0, n * m), Options(has_m, False, flags[t, 1] != 0, True, 0),
             Scalars(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]))
         bad_counts[t] = bad[0]
 
@@ -472,7 +472,7 @@ def _tensor_block(addresses, sizes, scalars, flags, scratch, bad_counts, t, b):
         _float_array(a[5], n), _float_array(a[6], m),
         _scratch(scratch, sizes[t, 5], blocks, m_width)[b], _scratch(scratch, sizes[t, 6], blocks, m)[b],
         _scratch(scratch, sizes[t, 7], blocks, m_rows_touched(rows_per_block, m, m_cols) if has_m else 0)[b],
-        first_row, end_row, geo, Options(has_m, False, flags[t, 1] != 0, True),
+        first_row, end_row, geo, Options(has_m, False, flags[t, 1] != 0, True, 0),
         Scalars(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]))
 
 

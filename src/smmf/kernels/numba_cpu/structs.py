@@ -1,7 +1,8 @@
 """The named arguments of the numba kernels, defined once: a field is added here and read by name.
 
 Arrays travel in :class:`Moments`, :class:`Scratch` and :class:`FlagArrays`; numbers in
-:class:`Scalars` (floats in the work dtype), :class:`Geometry` (ints) and :class:`Options` (bools).
+:class:`Scalars` (floats in the work dtype), :class:`Geometry` (ints) and :class:`Options` (bools, and the
+stochastic rounding's seed).
 Only the numbers cross into the compiled kernels as tuples: numba (0.68) loses some writes to
 arrays held in a tuple (any made inside a ``prange`` body, and a slice assignment from another
 array), so the host builds the array tuples and the kernels take their fields one by one, in the
@@ -64,6 +65,7 @@ class Options(NamedTuple):
     sr: bool  # stochastic rounding of bf16 weights
     zero_bad: bool  # NaN/inf gradient elements count as 0 (and are counted)
     whole: bool  # the whole matrix: normalize the factors here (else leave this piece's raw sums)
+    sr_seed: int  # under sr, this step's seed of the rounding noise, drawn from torch's generator (else 0)
 
 
 class Moments(NamedTuple):
