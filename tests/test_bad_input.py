@@ -172,3 +172,23 @@ def test_a_state_without_its_step_count_is_refused_before_anything_changes() -> 
     with pytest.raises(RuntimeError, match="without its 'step' count"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_step_params_refuses_a_param_outside_its_group_before_anything_changes() -> None:
+    """``step_params`` with a param that no group holds used to step it and make state for it, after which
+    ``state_dict()`` failed with a bare KeyError; with another group's options it stepped it under them."""
+    params, opt = trained_smmf()
+    stranger = torch.nn.Parameter(torch.randn(4, 4))
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "lr": 0.5})
+    for p in (*params, stranger):
+        p.grad = torch.randn_like(p)
+    snapshot, kept = snapshot_of(opt, params), stranger.detach().clone()
+    with pytest.raises(ValueError, match="none of the optimizer's param groups"):
+        opt.step_params([(opt.param_groups[0], params[0]), (opt.param_groups[0], stranger)])
+    with pytest.raises(ValueError, match="in another param group"):
+        opt.step_params([(opt.param_groups[1], params[1])])
+    assert_unchanged(opt, params, snapshot)
+    assert torch.equal(stranger, kept) and stranger not in opt.state
+    opt.load_state_dict(opt.state_dict())  # new group dicts: the step finds its params in them
+    opt.step_params([(group, p) for group in opt.param_groups for p in group["params"] if p.grad is not None])
+    opt.state_dict()

@@ -63,6 +63,20 @@ def test_smmf_options_change_the_prediction_like_the_state() -> None:
     assert predict_state_bytes(model, "smmf", beta=None) < predict_state_bytes(model, "smmf")
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("options", [{}, {"vector_reshape": False}, {"magnitude_bits": 3}, {"momentum_shape": "natural"}],
+                         ids=["paper", "dense-1d", "levels", "natural"])
+def test_complex_params_are_predicted_as_the_real_view_smmf_steps(dtype: torch.dtype, options: dict) -> None:
+    params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in [(64, 33), (7,), (3, 4, 5), ()]]
+    for name, build in [("smmf", lambda ps: SMMF(ps, **options)), ("adam", lambda ps: torch.optim.Adam(ps))]:
+        optimizer = build(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        assert state_bytes(optimizer) == predict_state_bytes(params, name, **(options if name == "smmf" else {}))
+    assert report(params).params == 64 * 33 + 7 + 60 + 1  # a complex element is one parameter
+
+
 def test_frozen_params_are_not_counted_and_shapes_are_accepted() -> None:
     model = _cnn()
     model[0].weight.requires_grad_(False)

@@ -58,8 +58,16 @@ def state_bytes(optimizer: torch.optim.Optimizer, allocator_block: int = 1) -> i
 
 
 def predict_state_tensors(shape: Shape, optimizer: str, itemsize: int = 4, **smmf_options: object) -> list[int]:
-    """Bytes of each state tensor that ``optimizer`` keeps for one parameter of ``shape``."""
+    """Bytes of each state tensor that ``optimizer`` keeps for one real parameter of ``shape`` whose elements
+    take ``itemsize`` bytes (2: bf16/fp16, 4: fp32, 8: fp64)."""
+    if itemsize not in _DTYPES:
+        raise ValueError(f"itemsize must be one of {sorted(_DTYPES)} (bytes of a real element), got {itemsize}")
+    return _tensor_bytes(shape, optimizer, _DTYPES[itemsize], **smmf_options)
+
+
+def _tensor_bytes(shape: Shape, optimizer: str, dtype: torch.dtype, **smmf_options: object) -> list[int]:
     numel = math.prod(shape)
+    itemsize = dtype.itemsize
     dense = numel * itemsize
     if optimizer in ("adam", "adamw"):
         return [dense, dense]
@@ -76,26 +84,27 @@ def predict_state_tensors(shape: Shape, optimizer: str, itemsize: int = 4, **smm
         covers = [n * itemsize for n in shape] if shape else [itemsize]
         return [dense, *covers]
     if optimizer == "smmf":
-        param = torch.empty(shape, device="meta", dtype=_dtype_of(itemsize))
+        param = torch.empty(shape, device="meta", dtype=dtype)
         layout = state_layout(param, {**_smmf_defaults(), **smmf_options})
         return [math.prod(spec.shape) * spec.dtype.itemsize for spec in layout.values()]
     raise ValueError(f"Unknown optimizer: {optimizer!r}. It needs to be one of {list(OPTIMIZERS)}")
 
 
-def _dtype_of(itemsize: int) -> torch.dtype:
-    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[itemsize]
+_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
-def _trainable_shapes(params: ShapesLike) -> list[tuple[Shape, int]]:
+def _trainable_shapes(params: ShapesLike) -> list[tuple[Shape, torch.dtype]]:
+    """(shape, dtype) of each trainable param (fp32 for a shape): SMMF lays a complex param's state out
+    from its own shape and its real view's elements."""
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
     out = []
     for p in params:
         if isinstance(p, Tensor):
             if p.requires_grad or not isinstance(p, torch.nn.Parameter):
-                out.append((tuple(p.shape), p.element_size()))
+                out.append((tuple(p.shape), p.dtype))
         else:
-            out.append((tuple(p), 4))
+            out.append((tuple(p), torch.float32))
     return out
 
 
@@ -104,11 +113,12 @@ def predict_state_bytes(params: ShapesLike, optimizer: str, allocator_block: int
     return _predict(_trainable_shapes(params), optimizer, allocator_block, **smmf_options)
 
 
-def _predict(shapes: list[tuple[Shape, int]], optimizer: str, allocator_block: int, **smmf_options: object) -> int:
+def _predict(shapes: list[tuple[Shape, torch.dtype]], optimizer: str, allocator_block: int,
+             **smmf_options: object) -> int:
     return sum(
         _round_up(nbytes, allocator_block)
-        for shape, itemsize in shapes
-        for nbytes in predict_state_tensors(shape, optimizer, itemsize, **smmf_options)
+        for shape, dtype in shapes
+        for nbytes in _tensor_bytes(shape, optimizer, dtype, **smmf_options)
     )
 
 

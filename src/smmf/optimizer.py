@@ -353,7 +353,7 @@ class SMMF(Optimizer):
             backend=backend,
         )
         _validate_group(defaults)
-        self._ordinals: Optional[dict[int, int]] = None  # the params' positions over the groups (_ordinal)
+        self._places: Optional[dict[int, tuple[int, dict[str, Any]]]] = None  # each param's position and group
         self._nonfinite = NonfiniteMonitor()
         self._step_in_backward: Optional[StepInBackward] = None
         super().__init__(params, defaults)
@@ -368,7 +368,7 @@ class SMMF(Optimizer):
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise
-        self._ordinals = None
+        self._places = None
         if self._step_in_backward is not None:
             self._step_in_backward.attach(self.param_groups[-1]["params"])
 
@@ -383,7 +383,7 @@ class SMMF(Optimizer):
             for key, default in MOMENTUM_CODE_DEFAULTS.items():
                 group.setdefault(key, default)
         self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
-        self.__dict__.setdefault("_ordinals", None)
+        self.__dict__.setdefault("_places", None)
         self.__dict__.setdefault("_step_in_backward", None)
 
     @torch.no_grad()
@@ -427,19 +427,20 @@ class SMMF(Optimizer):
             if grad is None:
                 continue
             _check_grad(param, grad)
+            ordinal = self._ordinal(param, group)
             before = self.state.get(param)
             code = momentum_code(param, group)
             if before:
                 check_state_fits(param, group, before, code)
             state: dict[str, Any] = before if before else init_state(param, group)
-            work.append((group, param, grad, before, state, code, step_kernel(group["backend"], param, code)))
+            work.append((group, param, ordinal, grad, before, state, code, step_kernel(group["backend"], param, code)))
         self._nonfinite.poll()
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
         batches: dict[Kernel, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
         configs: dict[tuple[int, int, MomentumCode], StepConfig] = {}
         pending = []  # (param, its state before) of the steps not yet run: restored if one raises
         try:
-            for group, param, grad, before, state, code, kernel in work:
+            for group, param, ordinal, grad, before, state, code, kernel in work:
                 pending.append((param, before))
                 if state is not before:
                     self.state[param] = state
@@ -447,7 +448,7 @@ class SMMF(Optimizer):
                 key = (id(group), state[STEP], code)
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))
                 if cfg.levels_salt is not None:  # each param draws its own dither
-                    cfg = cfg.with_salt(step_salt(state[STEP], self._ordinal(param)))
+                    cfg = cfg.with_salt(step_salt(state[STEP], ordinal))
                 if not kernel.batched:
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()
@@ -469,12 +470,20 @@ class SMMF(Optimizer):
                     self.state.pop(param, None)
             raise
 
-    def _ordinal(self, param: Tensor) -> int:
-        """``param``'s position over the param groups (the same on every rank and after a resume): the
-        levels' dither salts by it. Mapped once, not per call: the step inside backward calls per param."""
-        if self._ordinals is None:
-            self._ordinals = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return self._ordinals[id(param)]
+    def _ordinal(self, param: Tensor, group: dict[str, Any]) -> int:
+        """``param``'s position over the param groups (the same on every rank and after a resume: the levels'
+        dither salts by it), refusing a param that ``group`` does not hold. Mapped once, not per call (the step
+        inside backward calls per param); mapped again where the map misses (a param added to a group's list)."""
+        place = self._places.get(id(param)) if self._places is not None else None
+        if place is None or place[1] is not group:
+            groups = self.param_groups
+            self._places = {id(p): (i, g) for i, (g, p) in enumerate((g, p) for g in groups for p in g["params"])}
+            place = self._places.get(id(param))
+            if place is None or place[1] is not group:
+                where = "none of the optimizer's param groups" if place is None else "another param group"
+                raise ValueError(f"step_params got a parameter of shape {tuple(param.shape)} with a group it is not "
+                                 f"in: it is in {where} (add it with add_param_group, and pass its own group)")
+        return place[0]
 
     @staticmethod
     def _step_config(group: dict[str, Any], step: int, code: MomentumCode) -> StepConfig:
