@@ -31,6 +31,9 @@ CLI_CASES = {
     "compare zero steps": (["compare", "--steps", "0"], "--steps must be at least 1, got 0"),
     "compare zero seeds": (["compare", "--seeds", "0"], "--seeds must be at least 1, got 0"),
     "compare unwritable out": (["compare", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write"),
+    "resume truncated results": (["compare", "--resume", "--out", "{tmp}/truncated"], "not a results file of smmf "
+                                 "compare (not JSON"),
+    "resume foreign results": (["compare", "--resume", "--out", "{tmp}/foreign"], "each run needs task, optimizer, label"),
     "bench unknown set": (["bench", "--sets", "nope"], "--sets: unknown 'nope'"),
     "bench one unknown set": (["bench", "--sets", "resnet50,nope"], "--sets: unknown 'nope'"),
     "bench zero repeats": (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),
@@ -53,6 +56,9 @@ def test_cli_error_is_one_line_exit_2_before_any_work(case: str, tmp_path, monke
     (tmp_path / "bad.json").write_text("{bad")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "unknown.json").write_text('{"model_type": "nope"}')
+    for name, text in (("truncated", '{"meta": {}, "results": [{"task"'), ("foreign", '{"results": [{"foo": 1}]}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(text)
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")

@@ -362,6 +362,28 @@ def test_resume_takes_the_runs_already_made_and_runs_the_others(tmp_path, capsys
     assert "runs kept from earlier commands: 0123abc" in (tmp_path / "results.md").read_text()
 
 
+def test_runs_of_other_settings_are_rows_of_their_own_not_more_seeds() -> None:
+    """Runs ``--resume`` keeps from another command (other hyperparameters, steps) are not averaged with this
+    command's as if they were seeds: each setting is a row, labelled by what varies among them."""
+    from smmf.bench.compare import summary_rows
+
+    def result(seed: int, lr: str, steps: int = 4, metric: float = 1.0) -> dict:
+        return {"task": "digits-cnn", "optimizer": "smmf", "label": "SMMF", "seed": seed, "steps": steps,
+                "eval_every": 1, "kwargs": {"lr": lr, "eps": "1e-08"}, "device": "cpu", "pretrain_steps": None,
+                "losses": [2.0] * steps, "evals": [{"step": 1}], "metric": "test_accuracy", "final_metric": metric,
+                "best_metric": metric, "state_bytes": 100, "peak_bytes": None, "mean_step_ms": 1.0,
+                "mean_train_step_ms": 2.0, "wall_s": 3.0, "diverged": False}
+
+    _, rows = summary_rows([result(0, "0.001"), result(1, "0.001", metric=3.0), result(0, "0.002", metric=8.0),
+                            result(0, "0.001", steps=6)])
+    assert [(row[1], row[2], row[4]) for row in rows] == [("SMMF (lr=0.001, 4 steps)", 2, "2 ± 1.4"),
+                                                          ("SMMF (lr=0.002, 4 steps)", 1, "8"),
+                                                          ("SMMF (lr=0.001, 6 steps)", 1, "1")]
+    assert [row[6] for row in rows] == [None] * 3  # no loss@100 in runs of 4 and 6 steps (not "nan (nan)")
+    _, alone = summary_rows([result(0, "0.001", steps=120), result(1, "0.001", steps=120)])
+    assert [(row[1], row[2], row[6]) for row in alone] == [("SMMF", 2, "2 ± 0 (2)")]
+
+
 def test_resume_tells_finetune_runs_apart_by_their_pretraining(tmp_path) -> None:
     """A fine-tuning run starts from a checkpoint pretrained for ``--pretrain-steps``: runs from another
     pretraining are not taken, as recorded by the run or, in an older file, by its command."""

@@ -29,7 +29,7 @@ import torch
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import (DEFAULT_OPTIMIZERS, PAPER_SMMF, RECOMMENDED_SMMF, missing_package, optimizer_specs,
                          parse_opt_args)
-from .plots import by_run, plot_all
+from .plots import by_run, plot_all, run_labels, run_setting
 from .fresh_process import report, run_child
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
@@ -163,27 +163,30 @@ def _spread(values: list[float]) -> str:
 
 
 def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    """One row per (task, optimizer): every figure as mean ± std over the seeds it ran on; a skipped
-    optimizer (its package missing) is a row that says why."""
+    """One row per (task, optimizer) and setting (:func:`~smmf.bench.plots.by_run`): every figure as mean ± std
+    over the seeds it ran on; a skipped optimizer (its package missing) is a row that says why."""
     headers = ["task", "optimizer", "seeds", "metric", "final", "best", f"train loss@{LOSS_AT} (worst seed)",
                "final train loss", "state KiB", "state / SMMF", f"peak MiB (steps 1-{PEAK_STEPS})", "opt step ms",
                "train step ms", "run s"]
     groups = by_run(results)
-    smmf_state = {task: runs[0]["state_bytes"] for (task, name), runs in groups.items()
-                  if name == "smmf" and not runs[0].get("skipped")}
+    labels = run_labels(groups)
+    smmf_state = {key[0]: runs[0]["state_bytes"] for key, runs in groups.items()
+                  if key[1] == "smmf" and not runs[0].get("skipped")}
     rows = []
-    for (task, _), runs in groups.items():
-        first = runs[0]
+    for key, runs in groups.items():
+        task, first = key[0], runs[0]
         if first.get("skipped"):
-            rows.append([task, first["label"], 0, f"skipped: {first['skipped']}", *[None] * (len(headers) - 4)])
+            rows.append([task, labels[key], 0, f"skipped: {first['skipped']}", *[None] * (len(headers) - 4)])
             continue
         ratio = first["state_bytes"] / smmf_state[task] if smmf_state.get(task) else None
         peaks = [r["peak_bytes"] / 2**20 for r in runs if r["peak_bytes"] is not None]
         early = [loss_at(r["losses"], LOSS_AT) for r in runs]
         final_loss = [loss_at(r["losses"], len(r["losses"])) for r in runs]
         worst = (max(early) if all(math.isfinite(x) for x in early) else float("nan"))
-        rows.append([task, first["label"], len(runs), first["metric"], _spread([r["final_metric"] for r in runs]),
-                     _spread([r["best_metric"] for r in runs]), f"{_spread(early)} ({worst:.4g})", _spread(final_loss),
+        short = all((r.get("steps") or len(r["losses"])) < LOSS_AT for r in runs)  # no loss@100 to give: blank
+        rows.append([task, labels[key], len(runs), first["metric"], _spread([r["final_metric"] for r in runs]),
+                     _spread([r["best_metric"] for r in runs]), None if short else f"{_spread(early)} ({worst:.4g})",
+                     _spread(final_loss),
                      first["state_bytes"] / 1024, ratio, statistics.fmean(peaks) if peaks else None,
                      statistics.fmean(r["mean_step_ms"] for r in runs),
                      statistics.fmean(r["mean_train_step_ms"] for r in runs),
@@ -338,13 +341,12 @@ def _pretraining(task_name: str, pretrain_steps: Optional[int]) -> Optional[int]
 
 
 def _run_key(result: dict[str, Any]) -> tuple:
-    """A finished run's :func:`_job_key` (its steps and evaluations read from its curves where an earlier
-    version did not record them; a run that diverged then never matches)."""
-    evals = result.get("evals") or [{}]
-    steps = result.get("steps") or (None if result.get("diverged") else len(result.get("losses", [])))
-    return (result["task"], result["optimizer"], result.get("seed"), steps,
-            result.get("eval_every") or evals[0].get("step"), tuple(sorted(result.get("kwargs", {}).items())),
-            result.get("pretrain_steps"), result.get("device"))
+    """A finished run's :func:`_job_key` (:func:`~smmf.bench.plots.run_setting` and its seed)."""
+    task, optimizer, *rest = run_setting(result)
+    return (task, optimizer, result.get("seed"), *rest)
+
+
+_RUN_KEYS = ("task", "optimizer", "label")  # what every run of a results file has, run or skipped
 
 
 def stored_results(out: Path) -> list[dict[str, Any]]:
@@ -354,7 +356,14 @@ def stored_results(out: Path) -> list[dict[str, Any]]:
     path = out / "results.json"
     if not path.exists():
         return []
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a results file of smmf compare (not JSON: {err})") from None
+    if not (isinstance(data, dict) and isinstance(data.get("results", []), list)
+            and all(isinstance(r, dict) and all(key in r for key in _RUN_KEYS) for r in data.get("results", []))):
+        raise ValueError(f"{path} is not a results file of smmf compare (each run needs {', '.join(_RUN_KEYS)}): "
+                         "move it away, or give another --out")
     meta = data.get("meta", {})
     command = meta.get("command", "").split()
     device = meta.get("device") or ("cuda" if "NVIDIA" in meta.get("machine", "") else "cpu")
@@ -484,7 +493,10 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         _child(json.loads(args.child))
         return 0
     tasks, optimizers, device, _, out = check_args(args)
-    kept = stored_results(out) if args.resume else []
+    try:
+        kept = stored_results(out) if args.resume else []
+    except ValueError as err:
+        fail(PROG, f"--resume: {err}")
     started = time.time()
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),

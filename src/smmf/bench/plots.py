@@ -7,12 +7,45 @@ from pathlib import Path
 from typing import Any
 
 
-def by_run(results: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """The results of each (task, optimizer), one per seed, in order of first appearance."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+# task, optimizer, steps, evaluation interval, hyperparameters, pretraining steps, kind of device
+Setting = tuple[str, str, Any, Any, tuple, Any, Any]
+
+
+def run_setting(result: dict[str, Any]) -> Setting:
+    """What decides a finished run but its seed: what it shares with the other seeds of its row (``compare``'s
+    ``--resume`` keeps earlier runs of other hyperparameters, budgets or devices beside a command's). Its
+    steps and evaluations are read from its curves where an earlier version did not record them (a run that
+    diverged then has None)."""
+    evals = result.get("evals") or [{}]
+    steps = result.get("steps") or (None if result.get("diverged") else len(result.get("losses", [])))
+    return (result["task"], result["optimizer"], steps, result.get("eval_every") or evals[0].get("step"),
+            tuple(sorted(result.get("kwargs", {}).items())), result.get("pretrain_steps"), result.get("device"))
+
+
+def by_run(results: list[dict[str, Any]]) -> dict[Setting, list[dict[str, Any]]]:
+    """The results of each (task, optimizer) under one setting, one per seed, in order of first appearance."""
+    groups: dict[Setting, list[dict[str, Any]]] = {}
     for r in results:
-        groups.setdefault((r["task"], r["optimizer"]), []).append(r)
+        groups.setdefault(run_setting(r), []).append(r)
     return groups
+
+
+def run_labels(groups: dict[Setting, list[dict[str, Any]]]) -> dict[Setting, str]:
+    """Each group's label: its optimizer's, and where that optimizer ran under several settings on one task,
+    this one's values of what varies among them (hyperparameters, steps, evaluations, pretraining, device)."""
+    labels = {}
+    for key, runs in groups.items():
+        label = runs[0]["label"]
+        others = [k for k in groups if k[:2] == key[:2] and k != key]
+        if others:
+            shared = set(key[4]).intersection(*(set(k[4]) for k in others))
+            parts = [f"{name}={value}" for name, value in key[4] if (name, value) not in shared]
+            for index, unit in ((2, " steps"), (3, "-step evaluations"), (5, " pretraining steps"), (6, "")):
+                if any(k[index] != key[index] for k in others) and key[index] is not None:
+                    parts.append(f"{key[index]}{unit}")
+            label += f" ({', '.join(parts)})" if parts else ""
+        labels[key] = label
+    return labels
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -39,15 +72,16 @@ def plot_all(results: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups = by_run(results)
+    labels = run_labels(groups)
     tasks = list(dict.fromkeys(r["task"] for r in results))
     for kind, fname in (("loss", "loss.png"), ("metric", "metric.png")):
         fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
         for ax, task in zip(axes[0], tasks):
-            for (run_task, _), runs in groups.items():
-                if run_task != task:
+            for key, runs in groups.items():
+                if key[0] != task:
                     continue
                 first = runs[0]
-                label = first["label"] + (f" ({len(runs)} seeds)" if len(runs) > 1 else "")
+                label = labels[key] + (f" ({len(runs)} seeds)" if len(runs) > 1 else "")
                 if kind == "loss":
                     window = max(1, len(first["losses"]) // 50)
                     steps = range(1, len(first["losses"]) + 1)
@@ -71,9 +105,10 @@ def plot_all(results: list[dict[str, Any]], out: Path) -> None:
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        rows = [runs[0] for (run_task, _), runs in groups.items() if run_task == task]
+        keys = [key for key in groups if key[0] == task]
+        rows = [groups[key][0] for key in keys]
         kib = [r["state_bytes"] / 1024 for r in rows]
-        bars = ax.bar([r["label"] for r in rows], kib, color="tab:gray")
+        bars = ax.bar([labels[key] for key in keys], kib, color="tab:gray")
         for bar, r in zip(bars, rows):
             if r["optimizer"].startswith("smmf"):
                 bar.set_color("tab:green")
