@@ -21,7 +21,7 @@ def test_numba_bf16_rounding_is_torchs() -> None:
 
     @numba.njit
     def store_all(dst, row):
-        store(dst, 0, row, False)
+        store(dst, 0, row, False, 0)
 
     bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00008000, 0x80018000,
                          0x7F800000, 0xFF800000, 0x7FC00001, 0x7F800001, 0xFFFFFFFF], dtype=torch.int64)
@@ -32,6 +32,33 @@ def test_numba_bf16_rounding_is_torchs() -> None:
     expected = values.to(torch.bfloat16)
     same = (out.view(torch.int16) == expected.view(torch.int16)) | (out.isnan() & expected.isnan())
     assert bool(same.all()), values[~same]
+
+
+def test_numba_bf16_stochastic_rounding_adds_the_hash_of_its_index() -> None:
+    numba = pytest.importorskip("numba")
+    """Under stochastic rounding element j of a row written from ``noise_base`` adds the top 16 bits of
+    :func:`smmf.levels._mix32` (``noise_base + j``) below the bits bf16 keeps (mod 2³², as the kernel's 32-bit
+    lanes), then truncates; NaN stays NaN."""
+    import numpy as np
+
+    from smmf.kernels.numba_cpu.access import store
+    from smmf.levels import _mix32
+
+    @numba.njit
+    def store_all(dst, row, base):
+        store(dst, 0, row, True, base)
+
+    values = torch.cat([torch.randn(3000) * 10, torch.tensor([float("nan"), 0.0, -0.0])])
+    base = 2**32 - 1000  # wraps past 2³² within the row
+    out = torch.zeros(values.numel(), dtype=torch.bfloat16)
+    store_all(out.view(torch.int16).numpy(), values.numpy().astype(np.float32), base)
+    index = (torch.arange(values.numel(), dtype=torch.int64) + base) & 0xFFFFFFFF
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    expected = (((bits + (_mix32(index) >> 16)) >> 16) & 0xFFFF).to(torch.int32)
+    got = out.view(torch.int16).to(torch.int32) & 0xFFFF
+    finite = ~values.isnan()
+    assert torch.equal(got[finite], expected[finite])
+    assert out[~finite].isnan().all()
 
 
 def test_numba_flag_levels_are_flag_levels() -> None:
