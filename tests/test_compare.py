@@ -396,8 +396,8 @@ def test_resume_tells_finetune_runs_apart_by_their_pretraining(tmp_path) -> None
     assert _job_key(task, job) == _job_key(task, {**job, "pretrain_steps": PRETRAIN_STEPS})
     assert _job_key(task, job) != _job_key(task, {**job, "pretrain_steps": 100})
     kwargs = {"lr": "0.0003", "betas": "(0.9, 0.999)", "eps": "1e-08", "weight_decay": "0.0005"}
-    result = {"task": "finetune-lm", "optimizer": "adamw", "seed": 0, "kwargs": kwargs, "losses": [1.0] * 300,
-              "evals": [{"step": 15 * k} for k in range(1, 21)], "diverged": False}
+    result = {"task": "finetune-lm", "optimizer": "adamw", "label": "AdamW (torch)", "seed": 0, "kwargs": kwargs,
+              "losses": [1.0] * 300, "evals": [{"step": 15 * k} for k in range(1, 21)], "diverged": False}
     for command, pretrain in (("smmf compare --tasks finetune-lm", None), ("smmf compare --pretrain-steps 100", 100)):
         write_outputs([], {"command": command, "code": "0123abc", "machine": "cpu"}, tmp_path, plots=False)
         data = json.loads((tmp_path / "results.json").read_text())
