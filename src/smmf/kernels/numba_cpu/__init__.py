@@ -24,7 +24,7 @@ from torch import Tensor
 from ...functional import StepConfig
 from ...state import COL_V, ROW_V, MomentumCode
 from ..contract import FlagPass
-from .host import launch, launch_levels, steps_
+from .host import launch, launch_levels, steps_, updating_flag_pass
 
 __all__ = ["BACKEND", "numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_",
            "updating_flag_pass"]
@@ -53,11 +53,6 @@ def numba_flag_shard_pass_(weight: Tensor, grad: Tensor, state: dict[str, Any], 
     updating pass met (0 from the other)."""
     rows, cols = state[ROW_V].numel(), state[COL_V].numel()
     return launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel(), flag_pass)
-
-
-def updating_flag_pass(cfg: StepConfig) -> int:
-    """0 without L2 decay; 1 with it (M needs the weights before the step, so the first pass only reads)."""
-    return 0 if cfg.folded()[2] == 0 else 1
 
 
 class _Numba:

@@ -18,7 +18,7 @@ from ...matrix import factor_sum_cap
 from ...levels import levels_rows_cols
 from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
                       momentum_cols, real_view)
-from ..contract import FlagPass, StepItem
+from ..contract import FlagPass, StepItem, rounding_seed
 from .levels import LEVELS_KERNELS, level_table, touched_v_rows
 from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_blocks_kernel, many_kernel
 from .structs import FlagArrays, FlagPasses, Geometry, LevelsGeometry, Moments, Options, Scalars, Scratch
@@ -77,13 +77,9 @@ def _group_scalars(cfg: StepConfig, dtype: torch.dtype) -> tuple[Any, ...]:
     return tuple(map(_work_scalar(dtype), _group_numbers(cfg, dtype)))
 
 
-def rounding_seed(weight: Tensor, cfg: StepConfig) -> int:
-    """The seed of a launch's bf16 stochastic rounding, drawn from torch's generator as the other paths draw
-    their noise (so ``torch.manual_seed`` decides it, and a resumed run that restores torch's RNG state
-    rounds as the uninterrupted one); 0, drawing nothing, where nothing is rounded stochastically."""
-    if cfg.stochastic_rounding and weight.dtype == torch.bfloat16:
-        return int(torch.randint(0, 2**30, ()).item())
-    return 0
+def updating_flag_pass(cfg: StepConfig) -> int:
+    """0 without L2 decay; 1 with it (M needs the weights before the step, so the first pass only reads)."""
+    return 0 if cfg.folded()[2] == 0 else 1
 
 
 def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, rows: int, cols: int,
@@ -114,8 +110,9 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
         row_m=state[ROW_M].numpy() if has_m else empty, col_m=state[COL_M].numpy() if has_m else empty,
         row_v=state[ROW_V].numpy(), col_v=state[COL_V].numpy())
     geo = Geometry(n=rows, m=cols, m_cols=m_cols, row0=row0, rows_per_block=rows_per_block, lo=lo, hi=hi)
+    writes = flag_pass is None or flag_pass.number == updating_flag_pass(cfg)  # a flag shard's other pass reads
     opts = Options(has_m=has_m, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole,
-                   sr_seed=rounding_seed(weight, cfg))
+                   sr_seed=rounding_seed(weight.dtype, cfg) if writes else 0)
     sc = scalars(cfg, rows * cols, dtype)
     w, g = _as_numpy(weight), _as_numpy(grad)
     parallel = hi - lo >= PARALLEL_MIN_NUMEL
@@ -164,7 +161,7 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, lo=lo, rows_per_block=rows_per_block,
                          dither=cfg.levels_salt is not None, salt=cfg.levels_salt or 0)
     opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole,
-                   sr_seed=rounding_seed(weight, cfg))
+                   sr_seed=rounding_seed(weight.dtype, cfg))
     sc = scalars(cfg, n * m, dtype)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     args = (_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(), state[SCALES_M].view(torch.int16).numpy(),

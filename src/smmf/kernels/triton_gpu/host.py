@@ -13,7 +13,7 @@ from ...functional import StepConfig
 from ...levels import levels_rows_cols
 from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
                       momentum_cols, real_view)
-from ..contract import FlagPass, StepItem
+from ..contract import FlagPass, StepItem, rounding_seed
 from .finish import finish_kernel, flag_finish_kernel
 from .levels import BLOCKS_PER_PROGRAM, LAUNCH_OPTIONS, STEP_WARPS, levels_step_kernel, v_sums_kernel
 from .step import momentum_sums_kernel, step_kernel
@@ -345,7 +345,7 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         meta, group.item_tensor, partial, words, bad,
         cfg.lr, cfg.beta1 if group.has_m else 0.0, cfg.beta2, cfg.eps,
         *cfg.folded(),
-        int(torch.randint(0, 2**30, ()).item()) if group.stochastic else 0,
+        rounding_seed(group.dtype, cfg),
         W_DTYPE=_TL_DTYPES[group.dtype], HAS_M=group.has_m, ALIGNED=group.aligned,
         VECTOR=group.vector and tables.VECTOR_HINTS, SHARD=group.shard, STAGES=tables.PIPELINE_STAGES,
         PREFETCH=tables.PREFETCH,
@@ -379,7 +379,7 @@ def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, sa
     levels_step_kernel[(group.sums_items.numel(),)](
         group.meta, group.sums_items, group.meta if salts is None else salts, bad, cfg.lr, cfg.beta1,
         1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2,
-        int(torch.randint(0, 2**30, ()).item()) if group.stochastic else 0, W_DTYPE=dtype,
+        rounding_seed(group.dtype, cfg), W_DTYPE=dtype,
         ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=group.stochastic, DITHER=salts is not None, BLOCKS=BLOCKS_PER_PROGRAM,
         num_warps=STEP_WARPS, **LAUNCH_OPTIONS,
     )
