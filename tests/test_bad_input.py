@@ -192,3 +192,7 @@ def test_step_params_refuses_a_param_outside_its_group_before_anything_changes()
     opt.load_state_dict(opt.state_dict())  # new group dicts: the step finds its params in them
     opt.step_params([(group, p) for group in opt.param_groups for p in group["params"] if p.grad is not None])
     opt.state_dict()
+    dropped = opt.param_groups[1]["params"].pop()  # a list edited in place: the map follows it
+    dropped.grad = torch.randn_like(dropped)
+    with pytest.raises(ValueError, match="none of the optimizer's param groups"):
+        opt.step_params([(opt.param_groups[1], dropped)])

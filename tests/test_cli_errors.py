@@ -32,8 +32,8 @@ CLI_CASES = {
     "compare zero seeds": (["compare", "--seeds", "0"], "--seeds must be at least 1, got 0"),
     "compare unwritable out": (["compare", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write"),
     "resume truncated results": (["compare", "--resume", "--out", "{tmp}/truncated"], "not a results file of smmf "
-                                 "compare (not JSON"),
-    "resume foreign results": (["compare", "--resume", "--out", "{tmp}/foreign"], "each run needs task, optimizer, label"),
+                                 "compare (Expecting"),
+    "resume foreign results": (["compare", "--resume", "--out", "{tmp}/foreign"], "runs each have task, optimizer, label"),
     "bench unknown set": (["bench", "--sets", "nope"], "--sets: unknown 'nope'"),
     "bench one unknown set": (["bench", "--sets", "resnet50,nope"], "--sets: unknown 'nope'"),
     "bench zero repeats": (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),

@@ -60,14 +60,14 @@ def state_bytes(optimizer: torch.optim.Optimizer, allocator_block: int = 1) -> i
 def predict_state_tensors(shape: Shape, optimizer: str, itemsize: int = 4, **smmf_options: object) -> list[int]:
     """Bytes of each state tensor that ``optimizer`` keeps for one real parameter of ``shape`` whose elements
     take ``itemsize`` bytes (2: bf16/fp16, 4: fp32, 8: fp64)."""
-    if itemsize not in _DTYPES:
-        raise ValueError(f"itemsize must be one of {sorted(_DTYPES)} (bytes of a real element), got {itemsize}")
-    return _tensor_bytes(shape, optimizer, _DTYPES[itemsize], **smmf_options)
+    if optimizer == "smmf" and itemsize not in _DTYPES:
+        raise ValueError(f"SMMF's itemsize must be one of {sorted(_DTYPES)} (bytes of a real element), got {itemsize}")
+    return _tensor_bytes(shape, optimizer, itemsize, _DTYPES.get(itemsize, torch.float32), **smmf_options)
 
 
-def _tensor_bytes(shape: Shape, optimizer: str, dtype: torch.dtype, **smmf_options: object) -> list[int]:
+def _tensor_bytes(shape: Shape, optimizer: str, itemsize: int, dtype: torch.dtype, **smmf_options: object) -> list[int]:
+    """:func:`predict_state_tensors` for elements of ``itemsize`` bytes, SMMF's for params of ``dtype``."""
     numel = math.prod(shape)
-    itemsize = dtype.itemsize
     dense = numel * itemsize
     if optimizer in ("adam", "adamw"):
         return [dense, dense]
@@ -118,7 +118,7 @@ def _predict(shapes: list[tuple[Shape, torch.dtype]], optimizer: str, allocator_
     return sum(
         _round_up(nbytes, allocator_block)
         for shape, dtype in shapes
-        for nbytes in _tensor_bytes(shape, optimizer, dtype, **smmf_options)
+        for nbytes in _tensor_bytes(shape, optimizer, dtype.itemsize, dtype, **smmf_options)
     )
 
 

@@ -353,7 +353,7 @@ class SMMF(Optimizer):
             backend=backend,
         )
         _validate_group(defaults)
-        self._places: Optional[dict[int, tuple[int, dict[str, Any]]]] = None  # each param's position and group
+        self._places: Optional[tuple[tuple, dict[int, tuple[int, dict[str, Any]]]]] = None  # see _places_now
         self._nonfinite = NonfiniteMonitor()
         self._step_in_backward: Optional[StepInBackward] = None
         super().__init__(params, defaults)
@@ -422,12 +422,13 @@ class SMMF(Optimizer):
         if grads is not None and len(grads) != len(params):
             raise ValueError(f"step_params got {len(grads)} gradients for {len(params)} params")
         # Check everything before touching anything: a rejected step changes no param or state.
+        places = self._places_now()
         work = []
         for (group, param), grad in zip(params, grads if grads is not None else [p.grad for _, p in params]):
             if grad is None:
                 continue
             _check_grad(param, grad)
-            ordinal = self._ordinal(param, group)
+            ordinal = self._ordinal(param, group, places)
             before = self.state.get(param)
             code = momentum_code(param, group)
             if before:
@@ -470,15 +471,23 @@ class SMMF(Optimizer):
                     self.state.pop(param, None)
             raise
 
-    def _ordinal(self, param: Tensor, group: dict[str, Any]) -> int:
-        """``param``'s position over the param groups (the same on every rank and after a resume: the levels'
-        dither salts by it), refusing a param that ``group`` does not hold. Mapped once, not per call (the step
-        inside backward calls per param); mapped again where the map misses (a param added to a group's list)."""
-        place = self._places.get(id(param)) if self._places is not None else None
+    def _places_now(self, again: bool = False) -> dict[int, tuple[int, dict[str, Any]]]:
+        """Each param's position over the param groups (the same on every rank and after a resume: the levels'
+        dither salts by it) and its group, by ``id``: mapped once, not per param (the step inside backward calls
+        per param), and again when the groups or their lists of params changed (``load_state_dict``'s new dicts,
+        ``add_param_group``, a list edited in place) or ``again``."""
+        groups = self.param_groups
+        key = tuple((id(g), id(g["params"]), len(g["params"])) for g in groups)
+        if again or self._places is None or self._places[0] != key:
+            pairs = ((g, p) for g in groups for p in g["params"])
+            self._places = (key, {id(p): (i, g) for i, (g, p) in enumerate(pairs)})
+        return self._places[1]
+
+    def _ordinal(self, param: Tensor, group: dict[str, Any], places: dict[int, tuple[int, dict[str, Any]]]) -> int:
+        """``param``'s position (:meth:`_places_now`), refusing a param that ``group`` does not hold."""
+        place = places.get(id(param))
         if place is None or place[1] is not group:
-            groups = self.param_groups
-            self._places = {id(p): (i, g) for i, (g, p) in enumerate((g, p) for g in groups for p in g["params"])}
-            place = self._places.get(id(param))
+            place = self._places_now(again=True).get(id(param))  # a param swapped in place for another
             if place is None or place[1] is not group:
                 where = "none of the optimizer's param groups" if place is None else "another param group"
                 raise ValueError(f"step_params got a parameter of shape {tuple(param.shape)} with a group it is not "

@@ -170,8 +170,10 @@ def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[An
                "train step ms", "run s"]
     groups = by_run(results)
     labels = run_labels(groups)
-    smmf_state = {key[0]: runs[0]["state_bytes"] for key, runs in groups.items()
-                  if key[1] == "smmf" and not runs[0].get("skipped")}
+    smmf_state: dict[str, int] = {}  # the first paper-SMMF row of each task, as the ratio's reference
+    for key, runs in groups.items():
+        if key[1] == PAPER_SMMF and not runs[0].get("skipped"):
+            smmf_state.setdefault(key[0], runs[0]["state_bytes"])
     rows = []
     for key, runs in groups.items():
         task, first = key[0], runs[0]
@@ -358,12 +360,13 @@ def stored_results(out: Path) -> list[dict[str, Any]]:
         return []
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not a results file of smmf compare (not JSON: {err})") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a results file of smmf compare ({err})") from None
     if not (isinstance(data, dict) and isinstance(data.get("results", []), list)
+            and isinstance(data.get("meta", {}), dict)
             and all(isinstance(r, dict) and all(key in r for key in _RUN_KEYS) for r in data.get("results", []))):
-        raise ValueError(f"{path} is not a results file of smmf compare (each run needs {', '.join(_RUN_KEYS)}): "
-                         "move it away, or give another --out")
+        raise ValueError(f"{path} is not a results file of smmf compare (a 'meta' object and a 'results' list whose "
+                         f"runs each have {', '.join(_RUN_KEYS)}): move it away, or give another --out")
     meta = data.get("meta", {})
     command = meta.get("command", "").split()
     device = meta.get("device") or ("cuda" if "NVIDIA" in meta.get("machine", "") else "cpu")

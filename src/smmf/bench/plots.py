@@ -36,12 +36,12 @@ def run_labels(groups: dict[Setting, list[dict[str, Any]]]) -> dict[Setting, str
     labels = {}
     for key, runs in groups.items():
         label = runs[0]["label"]
-        others = [k for k in groups if k[:2] == key[:2] and k != key]
+        others = [k for k in groups if k[:2] == key[:2] and k != key and not groups[k][0].get("skipped")]
         if others:
             shared = set(key[4]).intersection(*(set(k[4]) for k in others))
             parts = [f"{name}={value}" for name, value in key[4] if (name, value) not in shared]
             for index, unit in ((2, " steps"), (3, "-step evaluations"), (5, " pretraining steps"), (6, "")):
-                if any(k[index] != key[index] for k in others) and key[index] is not None:
+                if key[index] is not None and any(k[index] not in (key[index], None) for k in others):
                     parts.append(f"{key[index]}{unit}")
             label += f" ({', '.join(parts)})" if parts else ""
         labels[key] = label
