@@ -159,7 +159,6 @@ class StepInBackward:
         self._late: set[Tensor] = set()  # got gradient after their step in the running backward
         self._failed = False  # a backward ended in an error: reset() before the next one
         self._reentrant_open: dict[int, weakref.ref[_EndOfReentrant]] = {}  # by graph task id
-        self._groups: tuple[tuple[int, ...], dict[Tensor, dict[str, Any]]] = ((), {})
         self._layouts: dict[int, tuple[Any, ...]] = {}  # each group's layout options at the last backward
         params = {p for group in optimizer.param_groups for p in group["params"]}
         self._sync = ModuleSync(self, module, params) if module is not None else None
@@ -223,13 +222,6 @@ class StepInBackward:
             self._late.clear()
             self._reentrant_open.clear()
 
-    def _group_of(self, param: Tensor) -> dict[str, Any]:
-        """The param's group as the optimizer holds it now (``load_state_dict`` replaces the dicts)."""
-        key = tuple(map(id, self.optimizer.param_groups))
-        if key != self._groups[0]:
-            self._groups = (key, {p: g for g in self.optimizer.param_groups for p in g["params"]})
-        return self._groups[1][param]
-
     def _hook(self, param: Tensor) -> None:
         # Fires once per backward for each param, after its uses in that backward have been summed in.
         with self._lock:
@@ -254,7 +246,9 @@ class StepInBackward:
                 for param, grad in zip(params, grads if grads is not None else [p.grad for p in params]):
                     if grad is not None:
                         clip_tensor_norm_(param, grad, self.clip_grad_norm)
-            self.optimizer.step_params([(self._group_of(p), p) for p in params], grads)
+            # Each param with its group as the optimizer holds it now (load_state_dict replaces the dicts).
+            places = self.optimizer._places_now()
+            self.optimizer.step_params([(places[id(p)][1], p) for p in params], grads)
             if grads is None:
                 for param in params:
                     param.grad = None

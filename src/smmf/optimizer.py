@@ -368,7 +368,6 @@ class SMMF(Optimizer):
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise
-        self._places = None
         if self._step_in_backward is not None:
             self._step_in_backward.attach(self.param_groups[-1]["params"])
 
