@@ -100,10 +100,47 @@ def loop_instructions(ptx: str) -> int:
     return longest
 
 
+def sass_loop_instructions(sass: str) -> int:
+    """Machine (SASS) instructions a thread issues per pass of the kernel's longest loop: the loop's own,
+    plus each subroutine it calls, once per call (a 64-bit division is one PTX instruction but a call of
+    about 80 SASS instructions). 0 without a loop."""
+    code = [(int(found.group(1), 16), found.group(2).strip()) for found in
+            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if found]
+    index = {address: i for i, (address, _) in enumerate(code)}
+    first = last = 0
+    for i, (address, text) in enumerate(code):
+        target = re.search(r"\bBRA(?:\.U)?\s+(0x[0-9a-f]+)", text)
+        if target and "BRA.DIV" not in text and index.get(int(target.group(1), 16), i) < i:
+            j = index[int(target.group(1), 16)]
+            if i - j > last - first:
+                first, last = j, i
+    if first == last:
+        return 0
+    total = last - first + 1
+    for _, text in code[first:last + 1]:
+        call = re.search(r"\bCALL\.\S+\s+(0x[0-9a-f]+)", text)
+        if call:
+            start = index[int(call.group(1), 16)]
+            end = next(k for k in range(start, len(code)) if code[k][1].startswith("RET"))
+            total += end - start + 1
+    return total
+
+
+def sass(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+
+
 def compile_all(arch: int = 90) -> list[tuple[str, str]]:
     """Build every variant for ``sm_<arch>``; raises on the first that does not compile. Beside the
-    resources, for kernels that walk BR × BC tiles: thread instructions per element of a tile
-    (the loop's PTX instructions × threads / (BR·BC)), the proxy for a step's issue cost."""
+    resources, for kernels that walk BR × BC tiles: thread instructions per element of a tile, the
+    proxy for a step's issue cost: the loop's PTX instructions × threads / (BR·BC) (INSTR), and the
+    same of the machine code it becomes, the subroutines it calls included (SASS)."""
     report = []
     for label, kernel, arg_types, consts, warps in variants():
         names = inspect.signature(kernel.fn).parameters
@@ -113,8 +150,11 @@ def compile_all(arch: int = 90) -> list[tuple[str, str]]:
                                   target=GPUTarget("cuda", arch, 32), options=options)
         usage = resources(compiled.asm["cubin"])
         if "BR" in consts and "BC" in consts:
-            per_element = loop_instructions(compiled.asm["ptx"]) * 32 * warps / (consts["BR"] * consts["BC"])
-            usage += f" INSTR/ELEM:{per_element:.1f}"
+            threads_per_element = 32 * warps / (consts["BR"] * consts["BC"])
+            usage += f" INSTR/ELEM:{loop_instructions(compiled.asm['ptx']) * threads_per_element:.1f}"
+            machine = sass_loop_instructions(sass(compiled.asm["cubin"]))
+            if machine:
+                usage += f" SASS/ELEM:{machine * threads_per_element:.1f}"
         report.append((label, usage))
     return report
 

@@ -20,7 +20,7 @@ from smmf.state import MomentumCode, init_state, momentum_code, real_view
 
 # Aligned widths (64×48, 32×24, 256×128: several tiles) and widths that are not a multiple of 8
 # (36×30 conv, a prime, 31×9), which write their sign bits through the int32 scratch.
-SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128), (1000, 3)]
+SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128), (1000, 3), (24, 200), (8, 1000)]
 
 
 def _decoded(state: dict, cfg: StepConfig) -> torch.Tensor:

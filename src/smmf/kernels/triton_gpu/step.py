@@ -32,8 +32,8 @@ from .table import (
     T_LEVEL_SUMS_AT,
     T_FLAG_WORDS_AT,
 )
-from .tiles import (bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, pack_bits, row_sums,
-                    tensor_pointers, unpack_bits, v_span, work_item)
+from .tiles import (bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, natural_place,
+                    natural_width, pack_bits, row_sums, tensor_pointers, unpack_bits, v_span, work_item)
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def tile_geometry(r0, last_row, m, m32, held_lo, held_hi, cols, col_ok, SHARD: t
 
 @triton.jit
 def tile_loads(r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr,
-               flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M: tl.constexpr, ALIGNED: tl.constexpr,
+               flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, inv_width, HAS_M: tl.constexpr, ALIGNED: tl.constexpr,
                SHARD: tl.constexpr, NATURAL: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """What the step reads for the tile from row ``r0``: w and g as stored, V's row factors, the sign and flag
     bits (0/1) and M's factor product r cᵀ (0 without a first moment). Rows past ``last_row`` read nothing."""
@@ -73,7 +73,8 @@ def tile_loads(r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr
         byte_offs, byte_ok = byte_geometry(base, start0, held_lo, held_hi, m32, tile, row_ok, SHARD, BR, BC)
         bits = unpack_bits(signs_ptr, byte_offs, byte_ok, base + offs, ok, ALIGNED)
         flag_bits = unpack_bits(flags_ptr, byte_offs, byte_ok, base + offs, ok, ALIGNED) if FLAG else bits
-        magnitude = factor_product(row_m_ptr, col_m_ptr, cm, rows, row_ok, start0 + offs, ok, m_cols, NATURAL)
+        m_row, m_col = natural_place(start0, m, tile, m_cols, inv_width, BR, BC) if NATURAL else (0, 0)
+        magnitude = factor_product(row_m_ptr, col_m_ptr, cm, rows, row_ok, m_row, m_col, ok, NATURAL)
     else:
         bits = tl.zeros((BR, BC // 8, 8), dtype=tl.uint8)
         flag_bits = bits
@@ -137,6 +138,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         words = words_ptr + tl.load(row + T_WORDS_AT)
         m_cols = tl.load(row + T_M_COLS)
         cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0) if not NATURAL else 0.0
+        inv_width = 1.0 / natural_width(m_cols, BC).to(tl.float32) if NATURAL else 0.0
         if FLAG:
             flags_ptr = tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8))
             levels_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32))
@@ -157,6 +159,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         col_m_ptr = col_v_ptr
         cm = 0.0
         m_cols = m
+        inv_width = 0.0
     cap = FP32_MAX / (2.0 * (n * m).to(tl.float32))
     any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
     acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
@@ -170,13 +173,14 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     if PREFETCH:  # the first tile's loads; each iteration then issues the next tile's before it computes
         next_w, next_g, next_rv, next_bits, next_flag_bits, next_magnitude = tile_loads(
             first_row, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr, row_v_ptr, signs_ptr,
-            flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M, ALIGNED, SHARD, NATURAL, FLAG, BR, BC)
+            flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, inv_width, HAS_M, ALIGNED, SHARD, NATURAL, FLAG, BR, BC)
     for r0 in tl.range(first_row, last_row, BR, num_stages=STAGES):
         rows, row_ok, start0, base, offs, ok = tile_geometry(r0, last_row, m, m32, held_lo, held_hi, cols, col_ok,
                                                              SHARD, BR)
         loaded_w, loaded_g, loaded_rv, loaded_bits, loaded_flag_bits, loaded_magnitude = tile_loads(
             r0 + BR if PREFETCH else r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr,
-            row_v_ptr, signs_ptr, flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, HAS_M, ALIGNED, SHARD, NATURAL, FLAG,
+            row_v_ptr, signs_ptr, flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, inv_width, HAS_M, ALIGNED, SHARD, NATURAL,
+            FLAG,
             BR, BC)
         if PREFETCH:  # this tile's, loaded last iteration; the next tile's are in flight
             w_raw, g_raw, rv, bits, flag_bits, magnitude = (next_w, next_g, next_rv, next_bits, next_flag_bits,
@@ -205,8 +209,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             pack_bits(signs_ptr, words, ((mm >= 0) & ok).to(tl.int32), byte_offs, byte_ok, rows, tile, m, held_lo,
                       row_ok, ALIGNED, BR, BC)
             if FLAG:  # encode against the new factors: F = [|M| > R], and the least-squares sums
-                estimate = factor_product(new_row_m, new_col_m, new_cm, rows, row_ok, start0 + offs, ok, m_cols,
-                                          NATURAL)
+                m_row, m_col = natural_place(start0, m, tile, m_cols, inv_width, BR, BC) if NATURAL else (0, 0)
+                estimate = factor_product(new_row_m, new_col_m, new_cm, rows, row_ok, m_row, m_col, ok, NATURAL)
                 above, d_fit_high, d_energy_high, d_fit_low, d_energy_low = flag_fit(tl.abs(mm), estimate, ok, cap)
                 fit_high += d_fit_high
                 energy_high += d_energy_high

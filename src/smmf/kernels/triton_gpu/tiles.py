@@ -135,12 +135,40 @@ def pack_bits(ptr, words, values, byte_offs, byte_ok, rows, tile, m, held_lo, ro
 
 
 @triton.jit
-def factor_product(row_ptr, col_ptr, col_values, rows, row_ok, k_m, ok, m_cols, NATURAL: tl.constexpr):
+def natural_place(start0, m, tile, m_cols, inv_width, BR: tl.constexpr, BC: tl.constexpr):
+    """Each element's row and column in M's own view, ``m_cols`` wide, for a (BR, BC/8, 8) tile whose row i
+    starts at element ``start0 + i·m + tile·BC`` of the tensor; ``inv_width`` is
+    1 / :func:`natural_width`. One 64-bit division per tile row (one per element is a call of ~80 machine
+    instructions). A tile row's elements up to the end of M's row hold it; the rest, fewer than BC, lie
+    in the following rows, placed by a float division that is exact for such small integers."""
+    BB: tl.constexpr = BC // 8
+    first = start0 + tl.arange(0, BR).to(tl.int64) * m + tile * BC
+    row0 = first // m_cols
+    col0 = first - row0 * m_cols  # < m_cols
+    to_next = tl.minimum(m_cols - col0, BC).to(tl.int32)[:, None, None]  # the row's elements before M's next row
+    local = tl.arange(0, BB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # (1, BB, 8), < BC
+    past = local - to_next  # ≥ 0: this many elements into the rows after row0, < BC
+    # past // width: (past + ½) / width is a quotient plus at least ½ / width ≥ 1/(4·BC) from the next integer
+    rows_on = tl.floor((past.to(tl.float32) + 0.5) * inv_width).to(tl.int32)
+    wrap = past >= 0
+    m_row = row0[:, None, None] + tl.where(wrap, rows_on + 1, 0).to(tl.int64)
+    m_col = tl.where(wrap, (past - rows_on * natural_width(m_cols, BC)).to(tl.int64), col0[:, None, None] + local)
+    return m_row, m_col
+
+
+@triton.jit
+def natural_width(m_cols, BC: tl.constexpr):
+    """M's row width as :func:`natural_place` divides by it: the width, or 2·BC for rows wider than that (more
+    than any ``past``, so the quotient stays 0 and the remainder ``past``)."""
+    return tl.minimum(m_cols, 2 * BC).to(tl.int32)
+
+
+@triton.jit
+def factor_product(row_ptr, col_ptr, col_values, rows, row_ok, m_row, m_col, ok, NATURAL: tl.constexpr):
     """r cᵀ at each element of a tile: by the tile's rows and its loaded column factors, or under ``NATURAL``
-    by each element's row and column (``k_m`` its index) in M's own view, ``m_cols`` wide."""
+    by each element's row and column in M's own view (:func:`natural_place`)."""
     if NATURAL:
-        product = (tl.load(row_ptr + k_m // m_cols, mask=ok, other=0.0)
-                   * tl.load(col_ptr + k_m % m_cols, mask=ok, other=0.0))
+        product = tl.load(row_ptr + m_row, mask=ok, other=0.0) * tl.load(col_ptr + m_col, mask=ok, other=0.0)
     else:
         product = tl.load(row_ptr + rows, mask=row_ok, other=0.0)[:, None, None] * col_values
     return product
