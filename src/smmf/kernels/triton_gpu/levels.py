@@ -36,10 +36,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...levels import BLOCK, DITHER_BITS, DITHER_MULTIPLIERS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from ...levels import BLOCK, DITHER_BITS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
 from .table import (FP32_MAX, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_LEVELS, T_LO, T_M, T_M_COLS, T_M_ROWS, T_M_TILES,
                     T_PARTIAL_AT, T_SIGNS, T_TILES)
-from .tiles import bf16_rounded, tensor_pointers, v_span, work_item
+from .tiles import bf16_rounded, hash32, tensor_pointers, v_span, work_item
 
 __all__ = ["BLOCKS_PER_PROGRAM", "LAUNCH_OPTIONS", "STEP_WARPS", "levels_step_kernel", "v_sums_kernel"]
 
@@ -53,7 +53,6 @@ LEVEL_TOP = tl.constexpr(TOP_LEVEL)
 LEVEL_NEGATIVE = tl.constexpr(NEGATIVE)
 LEVEL_SCALE_MAX = tl.constexpr(SCALE_MAX)
 LEVEL_SEVENTH = tl.constexpr(SEVENTH)
-DITHER_MUL0, DITHER_MUL1 = tl.constexpr(DITHER_MULTIPLIERS[0]), tl.constexpr(DITHER_MULTIPLIERS[1])
 DITHER_SHIFT = tl.constexpr(32 - DITHER_BITS)
 DITHER_UNIT = tl.constexpr(2.0 ** -DITHER_BITS)
 
@@ -123,15 +122,8 @@ def decoded_momentum(codes, scale):
 
 @triton.jit
 def dither(salt, index):
-    """:func:`smmf.levels.dither` of the elements at ``index`` (int64): in [0, 1), fp32. In int64 with the
-    torch path's masks (a product may wrap; its low 32 bits are the same)."""
-    x = (index + salt) & 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * DITHER_MUL0) & 0xFFFFFFFF
-    x ^= x >> 15
-    x = (x * DITHER_MUL1) & 0xFFFFFFFF
-    x ^= x >> 16
-    return (x >> DITHER_SHIFT).to(tl.float32) * DITHER_UNIT
+    """:func:`smmf.levels.dither` of the elements at ``index`` (int64): in [0, 1), fp32."""
+    return (hash32((index + salt).to(tl.uint32)) >> DITHER_SHIFT).to(tl.float32) * DITHER_UNIT
 
 
 @triton.jit

@@ -6,7 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...levels import DITHER_MULTIPLIERS
 from .table import META_COLUMNS, T_COL_V, T_G, T_HI, T_LO, T_M, T_N, T_ROW_V, T_W
+
+HASH_MUL0, HASH_MUL1 = tl.constexpr(DITHER_MULTIPLIERS[0]), tl.constexpr(DITHER_MULTIPLIERS[1])
 
 
 @triton.jit
@@ -26,13 +29,26 @@ def finite_or_cap(x, cap):
 
 
 @triton.jit
+def hash32(x):
+    """:func:`smmf.levels._mix32` (two multiply-xorshift rounds) of uint32 ``x``: its products wrap mod 2³²,
+    as the torch path's masks make them. A few instructions, where Philox (``tl.randint``) takes ten rounds."""
+    x ^= x >> 16
+    x *= tl.full((), HASH_MUL0, tl.uint32)
+    x ^= x >> 15
+    x *= tl.full((), HASH_MUL1, tl.uint32)
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
 def bf16_rounded(x, seed, offsets, STOCHASTIC: tl.constexpr):
     """fp32 ``x`` rounded to bf16 in the bits, so that every Triton target (and the interpreter) rounds
-    alike: add noise below the kept 16 bits (``STOCHASTIC``: ``tl.randint(seed, offsets)``) or half an ulp
-    to even (nearest), then truncate; NaN stays NaN. Returns fp32 values that bf16 holds exactly."""
+    alike: add noise below the kept 16 bits (``STOCHASTIC``: the top 16 bits of :func:`hash32` of
+    ``seed`` + the element's index, as the numba kernel draws them) or half an ulp to even (nearest), then
+    truncate; NaN stays NaN. Returns fp32 values that bf16 holds exactly."""
     ubits = x.to(tl.uint32, bitcast=True)
     if STOCHASTIC:
-        ubits += (tl.randint(seed, offsets.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+        ubits += hash32((offsets + seed).to(tl.uint32)) >> 16
     else:
         ubits += 0x7FFF + ((ubits >> 16) & 1)
     rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
