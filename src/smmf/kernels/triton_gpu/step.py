@@ -164,10 +164,10 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     any_bad = tl.zeros((BR, BB, 8), dtype=tl.int1)
     acc_v = tl.zeros((BR, BB, 8), dtype=tl.float32)  # column sums, reduced once after the band
     acc_m = tl.zeros((BR, BB, 8), dtype=tl.float32)
-    fit_high = tl.zeros((), dtype=tl.float32)  # the flag's level sums (FLAG)
-    energy_high = tl.zeros((), dtype=tl.float32)
-    fit_low = tl.zeros((), dtype=tl.float32)
-    energy_low = tl.zeros((), dtype=tl.float32)
+    fit_high = tl.zeros((BR,), dtype=tl.float32)  # the flag's level sums by rows of the tile (FLAG)
+    energy_high = tl.zeros((BR,), dtype=tl.float32)
+    fit_low = tl.zeros((BR,), dtype=tl.float32)
+    energy_low = tl.zeros((BR,), dtype=tl.float32)
     first_row = held_lo // m + band * BAND
     last_row = tl.minimum(first_row + BAND, (held_hi + m - 1) // m)
     if PREFETCH:  # the first tile's loads; each iteration then issues the next tile's before it computes
@@ -237,10 +237,10 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         tl.store(m_part + tiles * n + band * m + cols, tl.sum(acc_m, axis=0, keep_dims=True), mask=col_ok)
     if FLAG:
         level_sums = partial_ptr + tl.load(row + T_LEVEL_SUMS_AT) + 4 * local
-        tl.store(level_sums, fit_high)
-        tl.store(level_sums + 1, energy_high)
-        tl.store(level_sums + 2, fit_low)
-        tl.store(level_sums + 3, energy_low)
+        tl.store(level_sums, tl.sum(fit_high, axis=0))
+        tl.store(level_sums + 1, tl.sum(energy_high, axis=0))
+        tl.store(level_sums + 2, tl.sum(fit_low, axis=0))
+        tl.store(level_sums + 3, tl.sum(energy_low, axis=0))
 
 
 @triton.jit

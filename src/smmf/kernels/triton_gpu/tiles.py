@@ -193,10 +193,11 @@ def factor_product(row_ptr, col_ptr, col_values, rows, row_ok, m_row, m_col, ok,
 @triton.jit
 def flag_fit(a, estimate, ok, cap):
     """The magnitude flag's encoding of |M| = ``a`` against the new estimate R: the flag F = [a > R], and
-    this tile's four least-squares sums Σ_F a·R, Σ_F R², Σ_¬F a·R, Σ_¬F R² (each element's share capped)."""
+    the four least-squares sums Σ_F a·R, Σ_F R², Σ_¬F a·R, Σ_¬F R² of each row of the tile (each element's
+    share capped). By rows: a row's sum stays within its warp, where the tile's would cross warps through
+    shared memory on every tile."""
     above = (a > estimate) & ok
     fit = tl.where(ok, finite_or_cap(a * estimate, cap), 0.0)
     energy = tl.where(ok, finite_or_cap(estimate * estimate, cap), 0.0)
-    return (above, tl.sum(row_sums(tl.where(above, fit, 0.0)), axis=0),
-            tl.sum(row_sums(tl.where(above, energy, 0.0)), axis=0),
-            tl.sum(row_sums(tl.where(above, 0.0, fit)), axis=0), tl.sum(row_sums(tl.where(above, 0.0, energy)), axis=0))
+    return (above, row_sums(tl.where(above, fit, 0.0)), row_sums(tl.where(above, energy, 0.0)),
+            row_sums(tl.where(above, 0.0, fit)), row_sums(tl.where(above, 0.0, energy)))
