@@ -433,7 +433,19 @@ def run_bf16_rounding(device: str) -> None:
         means[dtype] = p.double().mean().item()
     assert means[torch.float32] < 0.999
     assert abs(means[torch.bfloat16] - means[torch.float32]) < 2e-4  # ~8 standard deviations of the mean
-    print(f"{device} bf16 stochastic rounding: the hash of the index, unbiased: OK")
+
+    # Two equal tensors in one launch: element k of the second is not rounded as element k + 1 of the first
+    # (their keys are hashed, not the launch's seed + 0 and + 1).
+    from smmf.kernels.triton_gpu import triton_steps_
+
+    pair = [torch.ones(64, 64, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    cfg = StepConfig(lr=2.0**-9, beta1=None, beta2=0.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                     maximize=False, stochastic_rounding=True, code=MomentumCode.SIGN)  # half an ulp below 1
+    triton_steps_([(q, torch.ones_like(q), init_state(q, {"beta": None, "vector_reshape": True}), cfg) for q in pair])
+    first, second = (q.reshape(-1) for q in pair)
+    assert 0.2 < (first != 1).float().mean().item() < 0.8
+    assert not torch.equal(second[:-1], first[1:])
+    print(f"{device} bf16 stochastic rounding: the hash of the index, unbiased, tensors apart: OK")
 
 
 def run_levels_batched(device: str) -> None:
@@ -513,25 +525,31 @@ def run_levels_shards(device: str) -> None:
     """FSDP2 shards under the levels code on the Triton kernels: pieces of whole rows of a param (V's view
     cut mid-row, an empty piece), their raw V sums added up, equal the kernels' step of the whole param:
     weights, codes and scales bit for bit (both read the old factors), V's factors up to summation order;
-    dithered, a piece draws by its elements' index in the whole param."""
+    dithered, a piece draws by its elements' index in the whole param; so do bf16 weights rounded
+    stochastically, each launch drawing the same seed."""
     from helpers import levels_step_in_pieces
     from smmf.kernels.triton_gpu import triton_shard_step_
 
+    def seeded_shard_step(*args):
+        torch.manual_seed(11)  # the seed each launch draws for bf16 stochastic rounding
+        triton_shard_step_(*args)
+
     gen = torch.Generator().manual_seed(8)
     for shape in [(48, 64), (31, 9), (257, 33), (40, 600)]:
-        for dither in (False, True):
-            p = torch.randn(shape, generator=gen).to(device)
+        for dither, rounded in ((False, False), (True, False), (True, True)):
+            p = torch.randn(shape, generator=gen).to(device, torch.bfloat16 if rounded else torch.float32)
             state = init_state(p, {"beta": 0.9, "vector_reshape": True, "magnitude_bits": 3})
             rows = shape[0]
             cuts = [0, rows // 3, rows // 3, rows // 2 + 1, rows]
             for step in range(1, 3):
                 cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
-                                 decoupled_weight_decay=step == 1, maximize=False, stochastic_rounding=False,
+                                 decoupled_weight_decay=step == 1, maximize=False, stochastic_rounding=rounded,
                                  code=MomentumCode.LEVELS, levels_salt=step_salt(step) if dither else None)
-                g = torch.randn(shape, generator=gen).to(device)
+                g = torch.randn(shape, generator=gen).to(device, p.dtype)
                 whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                torch.manual_seed(11)
                 triton_step_(whole, g, whole_state, cfg)
-                flat = levels_step_in_pieces(triton_shard_step_, p, g, state, cfg, cuts)
+                flat = levels_step_in_pieces(seeded_shard_step, p, g, state, cfg, cuts)
                 assert torch.equal(flat, whole.reshape(-1)), (shape, dither, step)
                 for key in ("codes_m", "scales_m"):
                     assert torch.equal(state[key], whole_state[key]), (shape, key)

@@ -39,7 +39,7 @@ import triton.language as tl
 from ...levels import BLOCK, DITHER_BITS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
 from .table import (FP32_MAX, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_LEVELS, T_LO, T_M, T_M_COLS, T_M_ROWS, T_M_TILES,
                     T_PARTIAL_AT, T_SIGNS, T_TILES)
-from .tiles import bf16_rounded, hash32, tensor_pointers, v_span, work_item
+from .tiles import bf16_rounded, hash32, tensor_key, tensor_pointers, v_span, work_item
 
 __all__ = ["BLOCKS_PER_PROGRAM", "LAUNCH_OPTIONS", "STEP_WARPS", "levels_step_kernel", "v_sums_kernel"]
 
@@ -196,7 +196,7 @@ def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1,
     # The weight, with this step's uncompressed M and V: W − lr·M / (√V + ε), as torch's add(alpha=−lr).
     new_w = tl.fma(tl.math.div_rn(mm, tl.sqrt_rn(v) + eps), -lr, w)
     if W_DTYPE == tl.bfloat16:
-        new_w = bf16_rounded(new_w, seed + t, element, STOCHASTIC)
+        new_w = bf16_rounded(new_w, tensor_key(seed, t), lo + element, STOCHASTIC)  # its index in the whole tensor
     tl.store(w_ptr + element, new_w.to(W_DTYPE), mask=ok)
     if ZERO_BAD:
         bad = tl.sum(tl.sum(tl.sum((ok & ~finite).to(tl.int32), axis=2), axis=1), axis=0)

@@ -33,7 +33,8 @@ from .table import (
     T_FLAG_WORDS_AT,
 )
 from .tiles import (bf16_rounded, byte_geometry, factor_product, flag_fit, momentum, natural_place,
-                    natural_width, pack_bits, row_sums, tensor_pointers, unpack_bits, v_span, work_item)
+                    natural_width, pack_bits, row_sums, tensor_key, tensor_pointers, unpack_bits, v_span,
+                    work_item)
 
 
 @triton.jit
@@ -228,7 +229,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             u = g / (tl.sqrt(v) + eps)
         new_w = w - lr * u
         if W_DTYPE == tl.bfloat16:
-            new_w = bf16_rounded(new_w, seed + t, start0 + offs, STOCHASTIC)
+            new_w = bf16_rounded(new_w, tensor_key(seed, t), start0 + offs, STOCHASTIC)
         tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
     tl.store(part + tiles * n + band * m + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
     bad = tl.sum(row_sums(any_bad.to(tl.int32)), axis=0)

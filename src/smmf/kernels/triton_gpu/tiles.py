@@ -41,14 +41,21 @@ def hash32(x):
 
 
 @triton.jit
-def bf16_rounded(x, seed, offsets, STOCHASTIC: tl.constexpr):
+def tensor_key(seed, t):
+    """Tensor ``t``'s key for :func:`bf16_rounded` from its launch's seed: hashed, so that the noise of two
+    tensors of a launch are not copies of one stream shifted by one element."""
+    return hash32((seed + t).to(tl.uint32))
+
+
+@triton.jit
+def bf16_rounded(x, key, offsets, STOCHASTIC: tl.constexpr):
     """fp32 ``x`` rounded to bf16 in the bits, so that every Triton target (and the interpreter) rounds
-    alike: add noise below the kept 16 bits (``STOCHASTIC``: the top 16 bits of :func:`hash32` of
-    ``seed`` + the element's index, as the numba kernel draws them) or half an ulp to even (nearest), then
-    truncate; NaN stays NaN. Returns fp32 values that bf16 holds exactly."""
+    alike: add noise below the kept 16 bits (``STOCHASTIC``: the top 16 bits of :func:`hash32` of the
+    tensor's ``key`` + the element's index in the whole tensor, the numba kernel's formula) or half an ulp
+    to even (nearest), then truncate; NaN stays NaN. Returns fp32 values that bf16 holds exactly."""
     ubits = x.to(tl.uint32, bitcast=True)
     if STOCHASTIC:
-        ubits += hash32((offsets + seed).to(tl.uint32)) >> 16
+        ubits += hash32((offsets + key).to(tl.uint32)) >> 16
     else:
         ubits += 0x7FFF + ((ubits >> 16) & 1)
     rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -118,7 +125,7 @@ def byte_geometry(base, start0, held_lo, held_hi, m32, tile, row_ok, SHARD: tl.c
     byte) of the tile, from the element ``base`` of the bits held; and which of them it holds."""
     BB: tl.constexpr = BC // 8
     r_idx = tl.arange(0, BR)[:, None, None]
-    byte_offs = base // 8 + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
+    byte_offs = (base >> 3) + r_idx * (m32 // 8) + (tile * BB).to(tl.int32) + tl.arange(0, BB)[None, :, None]
     byte_col = tl.arange(0, BB)[None, :, None] * 8 + (tile * BC).to(tl.int32)
     byte_ok = row_ok[:, None, None] & (byte_col < m32)
     if SHARD:
