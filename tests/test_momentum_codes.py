@@ -225,8 +225,9 @@ def test_recommended_options_build_the_levels_code_and_copy() -> None:
     assert opt.param_groups[0]["weight_decay_mode"] == "adamw"  # decoupled decay: SMMF's default
     assert opt.param_groups[0]["momentum_rounding"] == "stochastic"
     assert opt.param_groups[0]["decay_rate"] == -0.8
+    assert opt.param_groups[0]["growth_rate"] is None  # β1 held at beta
     assert copy.deepcopy(smmf.RECOMMENDED) == pickle.loads(pickle.dumps(smmf.RECOMMENDED)) == {
-        "magnitude_bits": 3, "momentum_rounding": "stochastic", "decay_rate": -0.8}
+        "magnitude_bits": 3, "momentum_rounding": "stochastic", "decay_rate": -0.8, "growth_rate": None}
     assert SMMF(model.parameters(), **{**smmf.RECOMMENDED, "lr": 3e-4}).defaults["lr"] == 3e-4
 
 

@@ -204,7 +204,8 @@ def smmf_note(results: list[dict[str, Any]]) -> str:
         notes.append(f"{labels[PAPER_SMMF]} is the paper's algorithm (M square-matricized)")
     if RECOMMENDED_SMMF in labels:
         notes.append(f"{labels[RECOMMENDED_SMMF]} is the recommended option (smmf.RECOMMENDED: magnitude_bits=3, "
-                     "a 3-bit level per element rounded stochastically and a scale per 128, decay_rate=-0.8; "
+                     "a 3-bit level per element rounded stochastically and a scale per 128, decay_rate=-0.8, "
+                     "growth_rate=None; "
                      "decoupled weight decay; see docs/beyond-the-paper.md)")
     return "; ".join(notes) + "." if notes else ""
 
