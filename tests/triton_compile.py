@@ -74,14 +74,19 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     return out
 
 
-def resources(cubin: bytes) -> str:
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What Triton's own ``cuobjdump`` prints for ``cubin`` with ``flag``; "" where Triton ships none."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def resources(cubin: bytes) -> str:
+    out = cuobjdump(cubin, "--dump-resource-usage")
     usage = next((line.split() for line in out.splitlines() if "REG:" in line), [])
     return " ".join(field for field in usage if field.split(":")[0] in ("REG", "STACK", "SHARED"))
 
@@ -126,16 +131,6 @@ def sass_loop_instructions(sass: str) -> int:
     return total
 
 
-def sass(cubin: bytes) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return ""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-
-
 def compile_all(arch: int = 90) -> list[tuple[str, str]]:
     """Build every variant for ``sm_<arch>``; raises on the first that does not compile. Beside the
     resources, for kernels that walk BR × BC tiles: thread instructions per element of a tile, the
@@ -152,7 +147,7 @@ def compile_all(arch: int = 90) -> list[tuple[str, str]]:
         if "BR" in consts and "BC" in consts:
             threads_per_element = 32 * warps / (consts["BR"] * consts["BC"])
             usage += f" INSTR/ELEM:{loop_instructions(compiled.asm['ptx']) * threads_per_element:.1f}"
-            machine = sass_loop_instructions(sass(compiled.asm["cubin"]))
+            machine = sass_loop_instructions(cuobjdump(compiled.asm["cubin"], "-sass"))
             if machine:
                 usage += f" SASS/ELEM:{machine * threads_per_element:.1f}"
         report.append((label, usage))

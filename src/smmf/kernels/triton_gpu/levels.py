@@ -39,7 +39,7 @@ import triton.language as tl
 from ...levels import BLOCK, DITHER_BITS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
 from .table import (FP32_MAX, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_LEVELS, T_LO, T_M, T_M_COLS, T_M_ROWS, T_M_TILES,
                     T_PARTIAL_AT, T_SIGNS, T_TILES)
-from .tiles import bf16_rounded, hash32, tensor_key, tensor_pointers, v_span, work_item
+from .tiles import bf16_rounded, hash_at, tensor_key, tensor_pointers, v_span, work_item
 
 __all__ = ["BLOCKS_PER_PROGRAM", "LAUNCH_OPTIONS", "STEP_WARPS", "levels_step_kernel", "v_sums_kernel"]
 
@@ -123,7 +123,7 @@ def decoded_momentum(codes, scale):
 @triton.jit
 def dither(salt, index):
     """:func:`smmf.levels.dither` of the elements at ``index`` (int64): in [0, 1), fp32."""
-    return (hash32((index + salt).to(tl.uint32)) >> DITHER_SHIFT).to(tl.float32) * DITHER_UNIT
+    return (hash_at(salt, index) >> DITHER_SHIFT).to(tl.float32) * DITHER_UNIT
 
 
 @triton.jit

@@ -180,9 +180,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
                                                              SHARD, BR)
         loaded_w, loaded_g, loaded_rv, loaded_bits, loaded_flag_bits, loaded_magnitude = tile_loads(
             r0 + BR if PREFETCH else r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr, g_ptr,
-            row_v_ptr, signs_ptr, flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, inv_width, HAS_M, ALIGNED, SHARD, NATURAL,
-            FLAG,
-            BR, BC)
+            row_v_ptr, signs_ptr, flags_ptr, row_m_ptr, col_m_ptr, cm, m_cols, inv_width, HAS_M, ALIGNED, SHARD,
+            NATURAL, FLAG, BR, BC)
         if PREFETCH:  # this tile's, loaded last iteration; the next tile's are in flight
             w_raw, g_raw, rv, bits, flag_bits, magnitude = (next_w, next_g, next_rv, next_bits, next_flag_bits,
                                                             next_magnitude)

@@ -41,10 +41,16 @@ def hash32(x):
 
 
 @triton.jit
+def hash_at(base, index):
+    """:func:`hash32` of (``base`` + ``index``) mod 2³², the numba kernel's ``hash32_at``."""
+    return hash32((base + index).to(tl.uint32))
+
+
+@triton.jit
 def tensor_key(seed, t):
     """Tensor ``t``'s key for :func:`bf16_rounded` from its launch's seed: hashed, so that the noise of two
     tensors of a launch are not copies of one stream shifted by one element."""
-    return hash32((seed + t).to(tl.uint32))
+    return hash_at(seed, t)
 
 
 @triton.jit
@@ -55,7 +61,7 @@ def bf16_rounded(x, key, offsets, STOCHASTIC: tl.constexpr):
     to even (nearest), then truncate; NaN stays NaN. Returns fp32 values that bf16 holds exactly."""
     ubits = x.to(tl.uint32, bitcast=True)
     if STOCHASTIC:
-        ubits += hash32((offsets + key).to(tl.uint32)) >> 16
+        ubits += hash_at(key, offsets) >> 16
     else:
         ubits += 0x7FFF + ((ubits >> 16) & 1)
     rounded = (ubits & 0xFFFF0000).to(tl.float32, bitcast=True)
