@@ -30,6 +30,18 @@ AdamW (``docs/high-lr.md``), declared before its runs: ``c-headers-lm-small`` ag
     python benchmarks/confirm_code.py --task c-headers-lm-small --candidate levels3sr-128-decoupled-wd-g08 \
         --bound dense-m-decoupled-wd-g08 --last levels3sr-128-decoupled-wd --out docs/high-lr/confirmation-g08 \
         --shard 0/2   # and --shard 1/2; AdamW's and the last row's runs are those of docs/high-lr/confirmation
+
+The fourth, of ``smmf.RECOMMENDED`` as a whole once β1 is held (``growth_rate=None``, chosen on ``stdlib-lm``,
+``docs/momentum-diagnosis.md``), declared before its runs: ``cpp-headers-lm-small`` (the same model and budget on
+the C++ headers that torch's wheel ships; no choice of a code was made on it), AdamW, the code's own bound (a dense
+M, γ = −0.8, β1 held), the code, and last the code with β1's growth (the recommendation before):
+
+    python benchmarks/confirm_code.py --task cpp-headers-lm-small \
+        --candidate levels3sr-128-decoupled-wd-g08-const-beta1 --bound dense-m-decoupled-wd-g08-const-beta1 \
+        --last levels3sr-128-decoupled-wd-g08 --out docs/recommended-confirmation --shard 0/2   # and --shard 1/2
+
+It passes if, at each optimizer's best learning rate, the code's 3-seed mean held-out loss is within 2% of its
+bound's at 25, 50 and 100% of the budget and within 2% of AdamW's at 100%.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -142,9 +156,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                   flush=True)
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     codes = ", ".join(sorted({str(r.get("code")) for r in runs}))
-    text = ("Runs: `python benchmarks/confirm_code.py --shard 0/2` and `--shard 1/2` (two processes, one torch thread "
-            f"each; a run already in OUT/runs is skipped), then `--report`  \nCode of the runs: {codes}; tables "
-            f"written at {code_version()}\n\n" + report(runs, names))
+    given = " ".join(a for a in (sys.argv[1:] if argv is None else argv) if a != "--report")
+    given = re.sub(r"\s*--shard \S+", "", given)
+    text = (f"Runs: `python benchmarks/confirm_code.py {given} --shard 0/2` and `--shard 1/2` (two processes, one "
+            f"torch thread each; a run already in OUT/runs is skipped), then `--report`  \nCode of the runs: {codes}; "
+            f"tables written at {code_version()}\n\n" + report(runs, names))
     (out / "results.md").write_text(text)
     print(text)
     return 0
