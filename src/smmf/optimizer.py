@@ -54,8 +54,9 @@ ahead of AdamW over two seeds, and on two tasks it was not chosen on it ends wit
 growth. Over short runs the growth helps: held β1 costs 1.5% (300 steps) and 3.4% (400 steps); the whole
 recommendation was confirmed on a task held out from every choice (3 seeds × 3 learning rates). On the CNN
 task the code ends within that task's noise, but at 3× the default learning rate one seed dipped early: the
-paper calls −0.5 the steadier value for CNNs, ``dict(smmf.RECOMMENDED, decay_rate=-0.5)``. docs/beyond-the-paper.md, docs/high-lr.md and
-docs/momentum-diagnosis.md have the figures, the tasks each setting was chosen on and those it was confirmed on.
+paper calls −0.5 the steadier value for CNNs, ``dict(smmf.RECOMMENDED, decay_rate=-0.5)``.
+docs/beyond-the-paper.md, docs/high-lr.md and docs/momentum-diagnosis.md have the figures, the tasks each
+setting was chosen on and those it was confirmed on.
 Weight decay stays SMMF's default, decoupled as AdamW's. The default of ``SMMF`` stays the paper's algorithm. A
 plain dict (configs can copy and store it): take ``dict(smmf.RECOMMENDED)`` to change it."""
 WEIGHT_DECAY_MODES = ("adamw", "adam")
