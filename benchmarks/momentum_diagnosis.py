@@ -683,15 +683,19 @@ def stdlib_lm_small(steps: int = 400) -> Task:
     return from_scratch_lm_task("stdlib-lm-small", SMALL_GPT, stdlib_bytes, steps)
 
 
+def header_bytes(task: str, root: Path, folders: Iterable[str] = (".",)) -> tuple[Tensor, Tensor]:
+    """(train, held-out) byte streams of the ``.h`` files under ``root``'s ``folders``, in sorted order, split by
+    file as ``stdlib-lm`` splits its files; ``task`` names what needs them where there are none."""
+    files = sorted(path.relative_to(root).as_posix() for top in folders for path in (root / top).rglob("*.h"))
+    if not files:
+        raise SystemExit(f"{task} needs C or C++ headers; none under {root}")
+    return split_files(root, files)
+
+
 @functools.lru_cache(maxsize=1)
 def c_headers_bytes() -> tuple[Tensor, Tensor]:
-    """(train, held-out) byte streams of the interpreter's C headers (``sysconfig``'s ``include``), split by
-    file as ``stdlib-lm`` splits its files."""
-    root = Path(sysconfig.get_paths()["include"])
-    files = sorted(path.relative_to(root).as_posix() for path in root.rglob("*.h"))
-    if not files:
-        raise SystemExit(f"c-headers-lm-small needs the interpreter's C headers; none under {root}")
-    return split_files(root, files)
+    """The interpreter's C headers (``sysconfig``'s ``include``): :func:`header_bytes`."""
+    return header_bytes("c-headers-lm-small", Path(sysconfig.get_paths()["include"]))
 
 
 def c_headers_lm_small(steps: int = 400) -> Task:
@@ -701,19 +705,14 @@ def c_headers_lm_small(steps: int = 400) -> Task:
 
 
 # Hand-written C++ that torch's wheel ships: the headers of c10, torch's own C++ (csrc, the C++ API), pybind11 and
-# fmt (ATen's, mostly generated, left out). Held out from every choice of a code of M: no study ran on it before.
+# fmt (ATen's, mostly generated, left out). Kept out of every choice of a code of M: a task for confirmations.
 CPP_HEADER_DIRS = ("c10", "torch", "pybind11", "fmt")
 
 
 @functools.lru_cache(maxsize=1)
 def cpp_headers_bytes() -> tuple[Tensor, Tensor]:
-    """(train, held-out) byte streams of the C++ headers of :data:`CPP_HEADER_DIRS` in the installed torch's
-    ``include`` folder, split by file as ``stdlib-lm`` splits its files."""
-    root = Path(torch.__file__).parent / "include"
-    files = sorted(path.relative_to(root).as_posix() for top in CPP_HEADER_DIRS for path in (root / top).rglob("*.h"))
-    if not files:
-        raise SystemExit(f"cpp-headers-lm-small needs torch's C++ headers; none under {root}")
-    return split_files(root, files)
+    """The C++ headers of :data:`CPP_HEADER_DIRS` in the installed torch's ``include`` folder: :func:`header_bytes`."""
+    return header_bytes("cpp-headers-lm-small", Path(torch.__file__).parent / "include", CPP_HEADER_DIRS)
 
 
 def cpp_headers_lm_small(steps: int = 400) -> Task:
