@@ -157,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     codes = ", ".join(sorted({str(r.get("code")) for r in runs}))
     given = " ".join(a for a in (sys.argv[1:] if argv is None else argv) if a != "--report")
-    given = re.sub(r"\s*--shard \S+", "", given)
+    given = re.sub(r"\s*--shard[= ]\S+", "", given)
     text = (f"Runs: `python benchmarks/confirm_code.py {given} --shard 0/2` and `--shard 1/2` (two processes, one "
             f"torch thread each; a run already in OUT/runs is skipped), then `--report`  \nCode of the runs: {codes}; "
             f"tables written at {code_version()}\n\n" + report(runs, names))
