@@ -170,6 +170,21 @@ def test_stdlib_lm_trains_a_few_steps_at_a_tiny_size(name: str) -> None:
     assert result["final_metric"] == result["evals"][-1]["held_out_loss"]
 
 
+def test_pretraining_on_cpu_does_not_depend_on_the_callers_thread_count() -> None:
+    # The cache key holds no thread count, so the checkpoint must not depend on it: torch's CPU kernels split
+    # their sums by thread, and unpinned, 1 and 3 threads gave other weights after two steps.
+    caller = torch.get_num_threads()
+    try:
+        made = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            made.append(tasks_module.pretrain(TINY, 2, torch.device("cpu"), show_progress=False))
+            assert torch.get_num_threads() == threads  # the caller's setting is given back
+    finally:
+        torch.set_num_threads(caller)
+    assert all(torch.equal(made[0][name], made[1][name]) for name in made[0])
+
+
 def test_finetune_lm_starts_every_run_from_the_cached_checkpoint(tmp_path, monkeypatch) -> None:
     calls = []
     real_pretrain = tasks_module.pretrain
