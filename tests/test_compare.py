@@ -171,8 +171,8 @@ def test_stdlib_lm_trains_a_few_steps_at_a_tiny_size(name: str) -> None:
 
 
 def test_pretraining_on_cpu_does_not_depend_on_the_callers_thread_count() -> None:
-    # The cache key holds no thread count, so the checkpoint must not depend on it: torch's CPU kernels split
-    # their sums by thread, and unpinned, 1 and 3 threads gave other weights after two steps.
+    # The thread count is pinned, not the caller's, so the checkpoint must not depend on the caller's setting:
+    # torch's CPU kernels split their sums by thread, and unpinned, 1 and 3 threads gave other weights.
     caller = torch.get_num_threads()
     try:
         made = []

@@ -287,7 +287,7 @@ def from_scratch_lm_task(name: str, model: ByteGPT, streams: Callable[[], tuple[
 # comparison's warmup + cosine schedule. Every entry goes into the checkpoint's cache key; bump
 # "recipe" when the code that pretrains changes. On a CPU it always runs on ``cpu_threads`` threads,
 # whatever the caller's setting: the thread count changes how torch's CPU kernels split their sums, so
-# one step on 1 thread and on 2 already gives other weights, and 2000 steps another checkpoint (the
+# one step on 1 thread and on 2 already gives other weights, and 2000 steps another checkpoint (seed 0's
 # first fine-tuning loss 1.7508 against 1.7478).
 PRETRAIN = dict(recipe=1, optimizer="AdamW", lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=1e-2,
                 schedule="warmup-cosine", seed=0, cpu_threads=2)
