@@ -1,0 +1,91 @@
+"""Where a fused CPU step's time goes: the numba kernels' launches and the host's work before, between and
+after them, over one of ``smmf bench``'s shape sets (mean per step over ``--steps`` warm steps).
+
+    python benchmarks/step_timeline.py --set resnet50 --threads 2
+
+Each line is a stretch of the step: ``start->checked`` the host's checks of every param, gradient and state,
+``checked->blocks<`` its work from there to the launch of the mid-sized tensors (configs, which launch each tensor
+takes, the launches' tables), ``own<->own>`` the kernels of the tensors that take a launch of their own,
+``own>->own<`` the host between those launches, ``bumps<->bumps>`` autograd's version bumps of what the kernels
+wrote. Run on a quiet machine; name the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from typing import Any, Callable
+
+import numba
+import torch
+
+import smmf.optimizer as optimizer
+from smmf import SMMF
+from smmf.bench.bench import SHAPE_SETS
+from smmf.bench.shapes import make_params
+from smmf.kernels.numba_cpu import host
+
+
+class _Checked:
+    """The optimizer's NaN/inf monitor, which also marks the end of the step's checks (it is polled there)."""
+
+    def __init__(self, monitor: Any, events: list[tuple[str, float]]) -> None:
+        self.monitor, self.events = monitor, events
+
+    def poll(self) -> None:
+        self.events.append(("checked", time.perf_counter()))
+        self.monitor.poll()
+
+    def report(self, count: Any) -> None:
+        self.monitor.report(count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="resnet50", choices=sorted(SHAPE_SETS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    numba.set_num_threads(args.threads)  # first: starting numba's OpenMP pool resets torch's thread count
+    torch.set_num_threads(args.threads)
+    events: list[tuple[str, float]] = []
+
+    def timed(name: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*kernel_args: Any) -> Any:
+            events.append((name + "<", time.perf_counter()))
+            result = kernel(*kernel_args)
+            events.append((name + ">", time.perf_counter()))
+            return result
+
+        return run
+
+    host.KERNELS = {parallel: timed("own", kernel) for parallel, kernel in host.KERNELS.items()}
+    host.many_blocks_kernel = timed("blocks", host.many_blocks_kernel)
+    host.many_kernel = timed("many", host.many_kernel)
+    optimizer._mark_written = timed("bumps", optimizer._mark_written)  # autograd's version bumps, after the kernels
+    opt = SMMF(make_params(SHAPE_SETS[args.set]()), backend="numba")
+    opt._nonfinite = _Checked(opt._nonfinite, events)  # type: ignore[assignment]  # a stand-in with its two methods
+    for _ in range(5):
+        opt.step()
+    stretches: dict[str, float] = collections.defaultdict(float)
+    for _ in range(args.steps):
+        events.clear()
+        start = time.perf_counter()
+        opt.step()
+        end = time.perf_counter()
+        before, name_before = start, "start"
+        for name, at in [*events, ("end", end)]:
+            stretches[f"{name_before}->{name}"] += at - before
+            before, name_before = at, name
+    total = sum(stretches.values())
+    kernels = sum(s for stretch, s in stretches.items() if "<->" in stretch and not stretch.startswith("bumps"))
+    print(f"{args.set}, {args.threads} threads, ms per step (mean of {args.steps}):")
+    for stretch, seconds in stretches.items():
+        print(f"  {stretch:20s} {seconds / args.steps * 1e3:7.3f}")
+    print(f"  kernels {kernels / args.steps * 1e3:.3f}, host {(total - kernels) / args.steps * 1e3:.3f}, "
+          f"step {total / args.steps * 1e3:.3f}")
+
+
+if __name__ == "__main__":
+    main()
