@@ -3,11 +3,13 @@ after them, over one of ``smmf bench``'s shape sets (mean per step over ``--step
 
     python benchmarks/step_timeline.py --set resnet50 --threads 2
 
-Each line is a stretch of the step: ``start->checked`` the host's checks of every param, gradient and state,
-``checked->blocks<`` its work from there to the launch of the mid-sized tensors (configs, which launch each tensor
-takes, the launches' tables), ``own<->own>`` the kernels of the tensors that take a launch of their own,
-``own>->own<`` the host between those launches, ``bumps<->bumps>`` autograd's version bumps of what the kernels
-wrote. Run on a quiet machine; name the CPU.
+Each line is a stretch of the step, from one event to the next; ``X<`` and ``X>`` are the start and end of a
+launch (``blocks``: the mid-sized tensors', ``many``: the small ones', ``own``: each tensor that takes a launch of
+its own) or of autograd's version ``bumps`` of what the kernels wrote. ``start->checked`` is the host from
+``step()`` through its checks of every param, gradient and state; ``checked->blocks<`` its work from there to the
+first launch (configs, which launch each tensor takes, the launches' tables); every stretch between two launches,
+and after the last, is the host's too. The kernels' figure includes numba's dispatch of each launch. Run on a quiet
+machine; name the CPU.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def main() -> None:
 
         return run
 
-    host.KERNELS = {parallel: timed("own", kernel) for parallel, kernel in host.KERNELS.items()}
+    for table in ("KERNELS", "FLAG_KERNELS", "LEVELS_KERNELS"):  # the codes of M that launch a tensor alone
+        setattr(host, table, {parallel: timed("own", kernel) for parallel, kernel in getattr(host, table).items()})
     host.many_blocks_kernel = timed("blocks", host.many_blocks_kernel)
     host.many_kernel = timed("many", host.many_kernel)
     optimizer._mark_written = timed("bumps", optimizer._mark_written)  # autograd's version bumps, after the kernels
