@@ -19,12 +19,9 @@ import collections
 import time
 from typing import Any, Callable
 
-import numba
-import torch
-
 import smmf.optimizer as optimizer
 from smmf import SMMF
-from smmf.bench.bench import SHAPE_SETS
+from smmf.bench.bench import SHAPE_SETS, set_threads
 from smmf.bench.shapes import make_params
 from smmf.kernels.numba_cpu import host
 
@@ -49,8 +46,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    numba.set_num_threads(args.threads)  # first: starting numba's OpenMP pool resets torch's thread count
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     events: list[tuple[str, float]] = []
 
     def timed(name: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
