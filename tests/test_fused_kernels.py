@@ -253,6 +253,45 @@ def test_rows_wider_than_a_column_tile_match_the_torch_path(dtype: torch.dtype, 
         assert (q != p).float().mean().item() <= 0.01
 
 
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+def test_two_rows_in_one_loop_match_the_torch_path() -> None:
+    """The numba pass steps two rows' segments in one loop where M is in V's view: rows wider than a column
+    tile (1033×1031: paired in both tiles), pairs refused where the two segments share a byte of sign bits
+    (1025×1025) or a shard's end cuts the second, whole rows whose bits share bytes (101×99), odd row counts.
+    fp64 against the torch path at 1e-12 over 3 steps, whole and in shard pieces, with NaN gradient
+    elements counted once each."""
+    from helpers import piece_cuts, step_in_pieces
+    from smmf.functional import StepConfig
+    from smmf.kernels.numba_cpu import numba_shard_step_, numba_step_
+    from smmf.matrix import unpack_signs
+    from smmf.state import init_state, matrix_shape
+
+    gen = torch.Generator().manual_seed(12)
+    for shape in [(1033, 1031), (1025, 1025), (101, 99)]:
+        assert matrix_shape(torch.empty(shape)) == shape
+        p = torch.randn(shape, generator=gen, dtype=torch.float64)
+        state = init_state(p, {"beta": 0.9, "vector_reshape": True})
+        for step in range(1, 4):
+            cfg = StepConfig(lr=1e-2, beta1=0.9 * 0.999 ** (step - 1), beta2=1 - step ** -0.5, eps=1e-8,
+                             weight_decay=0.1, decoupled_weight_decay=step != 2, maximize=step == 3,
+                             stochastic_rounding=False, code=MomentumCode.SIGN)
+            g = torch.randn(shape, generator=gen, dtype=torch.float64)
+            g.view(-1)[step * 7919 :: 104729] = float("nan")
+            nans = int(g.isnan().sum())
+            whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            torch_step_(whole, g, whole_state, cfg)
+            fused, fused_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            assert numba_step_(fused, g, fused_state, cfg) == nans
+            torch.testing.assert_close(fused, whole, rtol=0, atol=1e-12)
+            flat = step_in_pieces(numba_shard_step_, p, g, state, cfg, piece_cuts(p.numel(), shape[1]))
+            torch.testing.assert_close(flat, whole.reshape(-1), rtol=0, atol=1e-12)
+            for got in (fused_state, state):
+                for key in ("row_v", "col_v", "row_m", "col_m"):
+                    torch.testing.assert_close(got[key], whole_state[key], rtol=1e-12, atol=1e-12)
+                assert torch.equal(unpack_signs(got["sign_m"], p.numel()), unpack_signs(whole_state["sign_m"], p.numel()))
+            p, state = whole, whole_state  # go on from identical inputs
+
+
 _CACHE_PROBE = """
 import hashlib, json, torch, smmf
 from smmf.kernels.numba_cpu import passes

@@ -54,29 +54,64 @@ def element(w, g, col_v, rv, sc, keep_bad, zero):
 
 
 @numba.njit(**_MATH)
+def momentum_element(w, g, nonneg, col_m, col_v, rm, rv, sc, keep_bad, zero):
+    """One element's step with the paper's code of M: its new weight, sign (0/1), capped |M| and V for
+    the sums, and whether its gradient was finite."""
+    wj, gj, vj, finite = element(w, g, col_v, rv, sc, keep_bad, zero)
+    mag = rm * col_m
+    mj = sc.beta1 * (mag if nonneg else -mag) + sc.rest1 * gj
+    return wj - sc.lr * (mj / (math.sqrt(vj) + sc.eps)), mj >= 0, capped(abs(mj), sc.cap), capped(vj, sc.cap), finite
+
+
+@numba.njit(**_MATH)
 def run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc, zero_bad):
     """One run; ``nonneg`` holds its stored sign bits as 0/1 and gets the new ones. Returns the run's
     capped sums of |M| and V and the NaN/inf elements met."""
-    lr, beta1, rest1, eps, cap = sc.lr, sc.beta1, sc.rest1, sc.eps, sc.cap
     zero = sc.beta2 - sc.beta2
     sum_m = zero
     sum_v = zero
     any_bad = False
     keep_bad = not zero_bad
     for j in range(wrow.shape[0]):
-        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
+        wrow[j], nonneg[j], a, vs, finite = momentum_element(wrow[j], grow[j], nonneg[j], col_m[j], col_v[j], rm, rv,
+                                                             sc, keep_bad, zero)
         any_bad |= not finite
-        mag = rm * col_m[j]
-        mj = beta1 * (mag if nonneg[j] else -mag) + rest1 * gj
-        nonneg[j] = mj >= 0
-        a = capped(abs(mj), cap)
-        vs = capped(vj, cap)
         sum_m += a
         sum_v += vs
         acc_m[j] += a
         acc_v[j] += vs
-        wrow[j] = wj - lr * (mj / (math.sqrt(vj) + eps))
     return sum_m, sum_v, count_bad(grow, sc.big) if any_bad else 0
+
+
+@numba.njit(**_MATH)
+def run_pair_with_momentum(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m, acc_v, rm0, rv0, rm1, rv1, sc,
+                           zero_bad):
+    """Two rows' runs over the same columns of M's and V's view: :func:`run_with_momentum` of each, in
+    one loop that loads each column factor and reads and writes each column sum once for both (the sums
+    add the first row's element, then the second's, as two runs one after the other would). Returns
+    each row's sums of |M| and V, and the NaN/inf elements met in both."""
+    zero = sc.beta2 - sc.beta2
+    sum_m0 = zero
+    sum_v0 = zero
+    sum_m1 = zero
+    sum_v1 = zero
+    any_bad = False
+    keep_bad = not zero_bad
+    for j in range(w0.shape[0]):
+        cm, cv = col_m[j], col_v[j]
+        w0[j], nonneg0[j], a0, vs0, finite0 = momentum_element(w0[j], g0[j], nonneg0[j], cm, cv, rm0, rv0, sc,
+                                                               keep_bad, zero)
+        w1[j], nonneg1[j], a1, vs1, finite1 = momentum_element(w1[j], g1[j], nonneg1[j], cm, cv, rm1, rv1, sc,
+                                                               keep_bad, zero)
+        any_bad |= not (finite0 & finite1)
+        sum_m0 += a0
+        sum_v0 += vs0
+        sum_m1 += a1
+        sum_v1 += vs1
+        acc_m[j] = acc_m[j] + a0 + a1
+        acc_v[j] = acc_v[j] + vs0 + vs1
+    bad = count_bad(g0, sc.big) + count_bad(g1, sc.big) if any_bad else 0
+    return sum_m0, sum_v0, sum_m1, sum_v1, bad
 
 
 @numba.njit(**_MATH)

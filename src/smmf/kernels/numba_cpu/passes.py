@@ -28,6 +28,7 @@ from .elements import (
     flag_run_sums,
     flag_run_update,
     flag_run_write,
+    run_pair_with_momentum,
     run_with_momentum,
     run_without_momentum,
 )
@@ -124,28 +125,65 @@ def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, fir
     sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
     wbuf = np.empty(tile, dtype=np.uint32)
     gbuf = np.empty(tile, dtype=np.uint32)
-    lanes = np.empty(tile // 8 + 2, dtype=np.uint64)
+    wbuf1 = np.empty(tile, dtype=np.uint32)
+    gbuf1 = np.empty(tile, dtype=np.uint32)
+    lanes = np.empty(2 * tile // 8 + 2, dtype=np.uint64)  # two whole rows' bits when m <= tile
+    lanes1 = np.empty(tile // 8 + 2, dtype=np.uint64)  # the second row's, when rows span tiles
     bits = lanes.view(np.uint8)
+    bits1 = lanes1.view(np.uint8)
+    # With M in V's view, two rows' segments go through one loop (:func:`run_pair_with_momentum`).
+    pairs = opts.has_m and m_cols == m
     bad = 0
     for c0 in range(0, m, tile):
-        for i in range(first_row, end_row):
+        i = first_row
+        while i < end_row:
             start = max(i * m + c0, lo)  # the segment: elements start .. start + width, columns col0 ..
             width = min(i * m + min(m, c0 + tile), hi) - start
             if width <= 0:
+                i += 1
                 continue
             col0 = start - i * m
             here = start - lo  # where the segment lies in w, g and the sign bits
-            if i + 1 < end_row:  # the next row's segment starts a new stream: start it early
-                prefetch_lines(w, here + m, min(width, PREFETCH))
-                prefetch_lines(g, here + m, min(width, PREFETCH))
+            # The next row's segment: the same columns, whole (not cut by the end of a shard), in its own
+            # bytes of sign bits or right after this one's (whole rows in one tile: one span of bits).
+            together = width == m
+            rows = 2 if (pairs and i + 1 < end_row and col0 == c0 and start + m + width <= hi
+                         and (together or (here + width - 1) >> 3 < (here + m) >> 3)) else 1
+            for ahead in range(rows, 2 * rows):  # the next rows' segments start new streams: start them early
+                if i + ahead < end_row:
+                    prefetch_lines(w, here + ahead * m, min(width, PREFETCH))
+                    prefetch_lines(g, here + ahead * m, min(width, PREFETCH))
             wseg = load(w, here, width, wbuf)
             gseg = load(g, here, width, gbuf)
-            if opts.has_m:
+            wseg1 = wseg
+            if rows == 2:
+                wseg1 = load(w, here + m, width, wbuf1)
+                gseg1 = load(g, here + m, width, gbuf1)
+                first, count, offset = byte_span(here, 2 * width if together else width)
+                unpack_bytes(signs, first, count, lanes)
+                if together:
+                    first1, count1, offset1, row_bits1 = first, count, offset + width, bits
+                else:
+                    first1, count1, offset1 = byte_span(here + m, width)
+                    unpack_bytes(signs, first1, count1, lanes1)
+                    row_bits1 = bits1
+                run_m, run_v, run_m1, run_v1, run_bad = run_pair_with_momentum(
+                    wseg, gseg, bits[offset : offset + width], wseg1, gseg1, row_bits1[offset1 : offset1 + width],
+                    col_m[col0 : col0 + width], col_v[col0 : col0 + width], acc_m[col0 : col0 + width],
+                    acc_v[col0 : col0 + width], row_m[i], row_v[i], row_m[i + 1], row_v[i + 1], sc, opts.zero_bad)
+                pack_bytes(signs, first, count, lanes)
+                if not together:
+                    pack_bytes(signs, first1, count1, lanes1)
+                msums[i - m_row0] += run_m
+                msums[i + 1 - m_row0] += run_m1
+                sums_v[i - first_row] += run_v
+                sums_v[i + 1 - first_row] += run_v1
+                bad += run_bad
+            elif opts.has_m:
                 first, count, offset = byte_span(here, width)
                 unpack_bytes(signs, first, count, lanes)
                 # The segment in runs along one row of M's view (one run when it is V's).
                 sum_v = sc.beta2 - sc.beta2  # 0 in the work dtype
-                seg_bad = 0
                 k = start
                 while k < start + width:
                     m_row, m_col, j0, j1 = _m_run(k, start, width, m_cols)
@@ -156,15 +194,18 @@ def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, fir
                         sc, opts.zero_bad)
                     msums[m_row - m_row0] += run_m
                     sum_v += run_v
-                    seg_bad += run_bad
+                    bad += run_bad
                     k = start + j1
                 pack_bytes(signs, first, count, lanes)
+                sums_v[i - first_row] += sum_v
             else:
                 sum_v, seg_bad = run_without_momentum(
                     wseg, gseg, col_v[col0 : col0 + width], acc_v[col0 : col0 + width], row_v[i], sc, opts.zero_bad)
-            sums_v[i - first_row] += sum_v
-            bad += seg_bad
-            store(w, here, wseg, opts.sr, opts.sr_seed + start)
+                sums_v[i - first_row] += sum_v
+                bad += seg_bad
+            for row in range(rows):  # one call of store: inlined twice, numba's SSA check warns on its branches
+                store(w, here + row * m, wseg1 if row else wseg, opts.sr, opts.sr_seed + start + row * m)
+            i += rows
     row_v[first_row:end_row] = sums_v
     return bad
 
