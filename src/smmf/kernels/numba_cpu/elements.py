@@ -87,8 +87,7 @@ def run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc
 def run_pair_with_momentum(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m, acc_v, rm0, rv0, rm1, rv1, sc,
                            zero_bad):
     """Two rows' runs over the same columns of M's and V's view: :func:`run_with_momentum` of each, in
-    one loop that loads each column factor and reads and writes each column sum once for both (the sums
-    add the first row's element, then the second's, as two runs one after the other would). Returns
+    one loop that loads each column factor and reads and writes each column sum once for both. Returns
     each row's sums of |M| and V, and the NaN/inf elements met in both."""
     zero = sc.beta2 - sc.beta2
     sum_m0 = zero

@@ -112,10 +112,17 @@ def _rows_pass(w, g, signs, row_m, col_m, row_v, col_v, acc_m, acc_v, msums, fir
 
     Only the elements ``lo .. hi`` of the row-major flattening are there (an FSDP2 shard's, whose
     first and last rows may be partial; the whole matrix otherwise): ``w``, ``g`` and the sign bits
-    start at element ``lo``."""
+    start at element ``lo``.
+
+    With M in V's view (the paper's code), two rows' segments of a tile go through one loop
+    (:func:`~smmf.kernels.numba_cpu.elements.run_pair_with_momentum`) where both are whole and their
+    sign bits share no byte. Which rows pair depends on the block and the shard's ends, and a paired
+    row's sums may differ from an unpaired one's in the last bit (fastmath reassociates them): still a
+    fixed order for a given block layout."""
     m, m_cols, lo, hi = geo.m, geo.m_cols, geo.lo, geo.hi
-    # A segment's sign bits span at most tile // 8 + 2 bytes; it is unpacked with its whole first
-    # and last bytes, so the neighbours' bits go back unchanged (same thread, one after another).
+    # A segment's sign bits span at most tile // 8 + 2 bytes (two whole rows' in one tile: 2·tile // 8 + 2);
+    # they are unpacked with their whole first and last bytes, so the neighbours' bits go back unchanged
+    # (same thread, one after another).
     tile = min(m, COLUMN_TILE)
     acc_v[:] = 0
     acc_m[:] = 0
