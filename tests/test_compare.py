@@ -101,6 +101,28 @@ def test_jobs_run_side_by_side_keep_the_order_and_report_every_finished_run() ->
         assert a["losses"][0] == pytest.approx(b["losses"][0], rel=1e-5)
 
 
+def test_a_run_records_the_commit_it_started_from(monkeypatch) -> None:
+    """A run's process loads the code as it starts: a commit made while it trains (an hour, on CPU) did not
+    run, and recording it would put the run under the wrong code."""
+    from smmf.bench import compare
+
+    commits = iter(["started", "committed meanwhile"])
+    now = ["unread"]
+
+    def code_version() -> str:
+        now[0] = next(commits, now[0])
+        return now[0]
+
+    def train(job: dict) -> dict:
+        code_version()  # a commit lands while the run trains
+        return {"label": job["optimizer"]}
+
+    monkeypatch.setattr(compare, "_code_version", code_version)
+    monkeypatch.setattr(compare, "train_in_fresh_process", train)
+    job = dict(task="digits-cnn", optimizer="smmf", seed=0, steps=4, eval_every=1, device="cpu", threads=None)
+    assert compare._timed_run(job)["code"] == "started"
+
+
 def test_a_failing_report_of_finished_runs_does_not_stop_the_study(capsys) -> None:
     from smmf.bench.compare import run
 

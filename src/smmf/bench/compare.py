@@ -383,11 +383,12 @@ def _cores() -> int:
 
 
 def _timed_run(job: dict[str, Any], announce: bool = False) -> dict[str, Any]:
+    code = _code_version()  # as the run starts: its process loads the code then (a commit made meanwhile did not run)
     started = time.perf_counter()
     result = train_in_fresh_process(job)
     result = {**result, "seed": job["seed"], "steps": job["steps"], "eval_every": job["eval_every"],
               "pretrain_steps": _pretraining(job["task"], job.get("pretrain_steps")),
-              "device": torch.device(job["device"]).type, "code": _code_version(), "wall_s": time.perf_counter() - started,
+              "device": torch.device(job["device"]).type, "code": code, "wall_s": time.perf_counter() - started,
               "threads": job["threads"]}
     if announce:
         print(f"{job['task']} {result['label']} (seed {job['seed']}): {result['wall_s']:.0f} s", file=sys.stderr, flush=True)
