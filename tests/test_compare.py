@@ -106,18 +106,13 @@ def test_a_run_records_the_commit_it_started_from(monkeypatch) -> None:
     run, and recording it would put the run under the wrong code."""
     from smmf.bench import compare
 
-    commits = iter(["started", "committed meanwhile"])
-    now = ["unread"]
-
-    def code_version() -> str:
-        now[0] = next(commits, now[0])
-        return now[0]
+    head = ["started"]
 
     def train(job: dict) -> dict:
-        code_version()  # a commit lands while the run trains
+        head[0] = "committed meanwhile"  # a commit lands while the run trains
         return {"label": job["optimizer"]}
 
-    monkeypatch.setattr(compare, "_code_version", code_version)
+    monkeypatch.setattr(compare, "_code_version", lambda: head[0])
     monkeypatch.setattr(compare, "train_in_fresh_process", train)
     job = dict(task="digits-cnn", optimizer="smmf", seed=0, steps=4, eval_every=1, device="cpu", threads=None)
     assert compare._timed_run(job)["code"] == "started"
