@@ -4,6 +4,7 @@ launches replaced by no-ops, so what is timed is the optimizer's Python and the 
 
     python benchmarks/host_time.py --sets gpt2-xl-1.3B,resnet50,gpt2-52M
     python benchmarks/host_time.py --recommended          # SMMF(**smmf.RECOMMENDED): the levels code's launches
+    python benchmarks/host_time.py --numba --sets resnet50   # the numba path's host side (its kernels no-ops)
     PYTHONPATH=<other checkout>/src python benchmarks/host_time.py   # another commit, for an A/B
 
 Besides the host's milliseconds it counts the Triton launches of a step (each costs the host a few
@@ -23,6 +24,7 @@ import smmf.optimizer as optimizer
 from smmf import RECOMMENDED, SMMF
 from smmf.bench.bench import SHAPE_SETS
 from smmf.bench.shapes import make_params
+from smmf.kernels.numba_cpu import host as numba_host
 from smmf.kernels.triton_gpu import host, levels
 
 KERNELS = ("step_kernel", "finish_kernel", "momentum_sums_kernel", "flag_finish_kernel", "v_sums_kernel",
@@ -56,16 +58,16 @@ def main() -> None:
     parser.add_argument("--sets", default="gpt2-xl-1.3B,resnet50,gpt2-52M")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--recommended", action="store_true", help="SMMF(**smmf.RECOMMENDED), not the paper's code")
+    parser.add_argument("--numba", action="store_true", help="the numba (CPU) path's host side, not Triton's")
     args = parser.parse_args()
-    for module in (host, levels):  # (where each commit keeps them)
-        for name in KERNELS:
-            if hasattr(module, name):
-                setattr(module, name, _NoLaunch())
-    backend = _TritonOnCpu()
-    optimizer.step_kernel = lambda *args: backend  # every param to the batched Triton host path
+    if args.numba:
+        _no_numba_launches()
+    else:
+        _no_triton_launches()
     for set_name in args.sets.split(","):
         params = make_params(SHAPE_SETS[set_name](), device="cpu", dtype=torch.float32)
-        opt = SMMF(params, lr=1e-3, **(RECOMMENDED if args.recommended else {}))
+        opt = SMMF(params, lr=1e-3, backend="numba" if args.numba else "auto",
+                   **(RECOMMENDED if args.recommended else {}))
         opt._nonfinite.report = lambda count: None  # its pinned buffer needs CUDA
         for p in params:
             p.grad = torch.randn_like(p)
@@ -78,7 +80,23 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         ms = 1e3 * statistics.median(times)
         print(f"{set_name}: {len(params)} tensors, host {ms:.3f} ms a step, {1e3 * ms / len(params):.1f} µs a tensor, "
-              f"{_NoLaunch.launches / args.repeats:.0f} Triton launches a step")
+              f"{_NoLaunch.launches / args.repeats:.0f} {'numba' if args.numba else 'Triton'} launches a step")
+
+
+def _no_numba_launches() -> None:
+    """The numba kernels that the host side calls, each a counted no-op (the state is left as it was)."""
+    for table in ("KERNELS", "FLAG_KERNELS", "LEVELS_KERNELS"):
+        setattr(numba_host, table, {parallel: _NoLaunch._launch for parallel in getattr(numba_host, table)})
+    numba_host.many_blocks_kernel = numba_host.many_kernel = _NoLaunch._launch
+
+
+def _no_triton_launches() -> None:
+    for module in (host, levels):  # (where each commit keeps them)
+        for name in KERNELS:
+            if hasattr(module, name):
+                setattr(module, name, _NoLaunch())
+    backend = _TritonOnCpu()
+    optimizer.step_kernel = lambda *args: backend  # every param to the batched Triton host path
 
 
 if __name__ == "__main__":

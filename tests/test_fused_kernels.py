@@ -231,6 +231,45 @@ def test_large_cpu_tensors_share_one_launch_and_match_their_own_launches(monkeyp
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+def test_param_groups_with_their_own_options_share_the_launches() -> None:
+    """Groups of other options (lr, no first moment, NaN gradients zeroed or let through, M's natural view)
+    share the small and the mid-sized tensors' launches, each tensor's row carrying its own group's numbers:
+    every tensor ends, state and all, as its group stepped by an optimizer of its own, and NaN elements are
+    counted for the groups that zero them only."""
+    from smmf.kernels.numba_cpu import host
+
+    options = [dict(lr=1e-2), dict(lr=3e-3, beta=None, growth_rate=None), dict(lr=1e-3, nonfinite_grads="propagate"),
+               dict(lr=2e-3, momentum_shape="natural", weight_decay=0.1)]
+    shapes = [(33, 5), (300, 300), (7,), (512, 256)]  # a small and a mid-sized tensor in each group
+    gen = torch.Generator().manual_seed(4)
+    base = [[torch.randn(s, generator=gen) for s in shapes] for _ in options]
+    together = [[torch.nn.Parameter(b.clone()) for b in group] for group in base]
+    alone = [[torch.nn.Parameter(b.clone()) for b in group] for group in base]
+    opt = SMMF([dict(params=ps, **o) for ps, o in zip(together, options)], backend="numba")
+    singles = [SMMF(ps, backend="numba", **o) for ps, o in zip(alone, options)]
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen) for _ in options for s in shapes]
+        _step_with([p for ps in together for p in ps], [opt], grads)
+        _step_with([p for ps in alone for p in ps], singles, grads)
+    for ps, qs, single in zip(together, alone, singles):
+        for p, q in zip(ps, qs):
+            assert torch.equal(p, q)
+            for key, value in opt.state[p].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key
+    items = []
+    for group, ps in zip(opt.param_groups, together):
+        for p in ps:
+            grad = torch.randn(p.shape, generator=gen)
+            grad.view(-1)[:2] = float("nan")
+            state = opt.state[p]
+            state["step"] += 1
+            items.append((p, grad, state, opt._step_config(group, state["step"], momentum_code(p, group))))
+    assert host.steps_(items) == 2 * len(shapes) * (len(options) - 1)  # the third group lets its NaNs through
+    assert [bool(torch.isfinite(p).all()) for ps in together for p in ps] == [
+        number != 2 for number in range(len(options)) for _ in shapes]
+
+
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("beta", [0.9, None], ids=["momentum", "no-momentum"])
 def test_rows_wider_than_a_column_tile_match_the_torch_path(dtype: torch.dtype, beta) -> None:

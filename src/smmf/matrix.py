@@ -57,6 +57,7 @@ def nnmf_from_sums(rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
     return rows, cols / torch.where(total > 0, total, torch.ones_like(total))
 
 
+@functools.lru_cache(maxsize=65536)  # asked per tensor at every step; torch.finfo costs a microsecond
 def factor_sum_cap(numel: int, dtype: torch.dtype) -> float:
     """The largest value one element may add to a factor sum: ``numel`` of them, and therefore every
     row sum, column sum and the total, stay finite. Finite gradients then never give non-finite

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ...functional import StepConfig
-from ...matrix import factor_sum_cap
+from ...matrix import factor_sum_cap, square_matricize_shape
 from ...levels import levels_rows_cols
 from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
                       momentum_cols, real_view)
@@ -33,10 +33,16 @@ PARALLEL_MIN_NUMEL = 1 << 16
 
 
 def block_layout(rows: int, cols: int) -> tuple[int, int]:
-    """Rows per block (a multiple that keeps blocks byte-aligned in the sign bits) and blocks."""
+    """Rows per block (a multiple that keeps blocks byte-aligned in the sign bits) and blocks, at the
+    thread count of now."""
+    return _block_layout(rows, cols, numba.get_num_threads())
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_layout(rows: int, cols: int, threads: int) -> tuple[int, int]:
     align = 8 // math.gcd(cols, 8)
     parallel = rows * cols >= PARALLEL_MIN_NUMEL
-    target_blocks = max(1, 4 * numba.get_num_threads()) if parallel else 1
+    target_blocks = max(1, 4 * threads) if parallel else 1
     rows_per_block = max(align, -(-rows // target_blocks))
     rows_per_block = -(-rows_per_block // align) * align
     return rows_per_block, -(-rows // rows_per_block)
@@ -216,34 +222,63 @@ def takes_blocks(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
     return PARALLEL_MIN_NUMEL <= param.numel() < BLOCKS_MAX_NUMEL and _plain_fp32(param, state, cfg)
 
 
-def _shared_row(param: Tensor, grad: Tensor, state: dict[str, Any],
-                cfg: StepConfig) -> tuple[Tensor, tuple[int, ...], tuple[float, ...], tuple[bool, bool]]:
-    """A tensor's rows of the shared launches' tables, and the contiguous gradient they point to (the
-    caller keeps it alive): the data addresses of (w, g, signs, row_m, col_m, row_v, col_v), 0 for M's
-    arrays without M; the :class:`Scalars`; (has_m, zero_bad)."""
-    rows, cols = matrix_shape(param)
-    grad = grad.contiguous()
-    has_m = cfg.beta1 is not None
-    moment = (state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()) if has_m else (0, 0, 0)
-    addresses = (param.data_ptr(), grad.data_ptr(), *moment, state[ROW_V].data_ptr(), state[COL_V].data_ptr())
-    numbers = (*_fp32_group_numbers(cfg), factor_sum_cap(rows * cols, torch.float32))
-    return grad, addresses, numbers, (has_m, cfg.zero_nonfinite)
+class _SharedTables:
+    """The rows of a shared launch's tables (:func:`many_kernel`'s, :func:`many_blocks_kernel`'s), one
+    tensor at a time: per tensor the data addresses of (w, g, signs, row_m, col_m, row_v, col_v), 0 for
+    M's arrays without M; its :class:`Scalars`; (has_m, zero_bad). What depends on a tensor's size is
+    made once per size and what depends on the config once per config: per tensor and step there is
+    only the addresses' row (the host's Python is a fifth of ResNet-50's step)."""
+
+    def __init__(self) -> None:
+        self.addresses: list[tuple[int, ...]] = []
+        self.caps: list[float] = []
+        self.configs: list[StepConfig] = []
+        self.alive: list[Tensor] = []  # the contiguous gradients the addresses point to
+
+    def add(self, param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> tuple[int, int, int]:
+        """Add ``param``'s row; return its (rows, cols, M's cols)."""
+        rows, cols, cap = _fp32_geometry(param.numel())
+        grad = grad.contiguous()
+        self.alive.append(grad)
+        if cfg.beta1 is None:
+            self.addresses.append((param.data_ptr(), grad.data_ptr(), 0, 0, 0, state[ROW_V].data_ptr(),
+                                   state[COL_V].data_ptr()))
+            m_cols = cols
+        else:
+            col_m = state[COL_M]
+            self.addresses.append((param.data_ptr(), grad.data_ptr(), state[SIGN_M].data_ptr(),
+                                   state[ROW_M].data_ptr(), col_m.data_ptr(), state[ROW_V].data_ptr(),
+                                   state[COL_V].data_ptr()))
+            m_cols = col_m.numel()
+        self.caps.append(cap)
+        self.configs.append(cfg)
+        return rows, cols, m_cols
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The addresses, scalars and flags tables. A step's tensors mostly share one config (one per
+        param group): its numbers are then written once, broadcast to every row."""
+        configs = self.configs
+        scalars = np.empty((len(configs), len(Scalars._fields)), dtype=np.float32)
+        flags = np.empty((len(configs), 2), dtype=np.int64)
+        scalars[:, -1] = self.caps
+        first = configs[0]
+        if all(cfg is first for cfg in configs):
+            scalars[:, :-1] = _group_numbers(first, torch.float32)
+            flags[:] = (first.beta1 is not None, first.zero_nonfinite)
+        else:
+            scalars[:, :-1] = [_group_numbers(cfg, torch.float32) for cfg in configs]
+            flags[:] = [(cfg.beta1 is not None, cfg.zero_nonfinite) for cfg in configs]
+        return np.array(self.addresses, dtype=np.int64), scalars, flags
+
+    def bad(self, counts: Sequence[int]) -> int:
+        """The NaN/inf elements met by the tensors that zero them, of ``counts`` (one per tensor)."""
+        return sum(count for count, cfg in zip(counts, self.configs) if cfg.zero_nonfinite)
 
 
-_LAST_NUMBERS: tuple[Optional[StepConfig], tuple[float, ...]] = (None, ())
-
-
-def _fp32_group_numbers(cfg: StepConfig) -> tuple[float, ...]:
-    """:func:`_group_numbers` in fp32, the last config's kept by identity: the params of a group share
-    one config at a step, and hashing it (eleven fields) cost more than the rest of the lookup. (The
-    step inside backward makes a config per call: it misses and takes the lru cache.)"""
-    global _LAST_NUMBERS
-    last = _LAST_NUMBERS  # one read: another thread (the step inside backward) may replace it
-    if last[0] is cfg:
-        return last[1]
-    numbers = _group_numbers(cfg, torch.float32)
-    _LAST_NUMBERS = (cfg, numbers)
-    return numbers
+@functools.lru_cache(maxsize=65536)
+def _fp32_geometry(numel: int) -> tuple[int, int, float]:
+    """The rows × cols view of a real fp32 tensor of ``numel`` elements and its factor sum cap."""
+    return (*square_matricize_shape(numel), factor_sum_cap(numel, torch.float32))
 
 
 # Floats after each of a tensor's three sums in the blocks launch's scratch: laid end to end, |M|'s and V's
@@ -280,64 +315,63 @@ def _blocks_scratch(size: int) -> np.ndarray:
     return _SCRATCH
 
 
+@functools.lru_cache(maxsize=4096)
+def _blocks_sizes(rows: int, cols: int, m_cols: int, has_m: bool, threads: int) -> tuple[int, int, int, int]:
+    """A tensor's blocks in :func:`many_blocks_kernel` at ``threads`` threads: rows per block, blocks, and
+    the widths of its |M| column sums and its sums of M's rows (0 without M)."""
+    rows_per_block, blocks = _block_layout(rows, cols, threads)
+    if not has_m:
+        return rows_per_block, blocks, 0, 0
+    return rows_per_block, blocks, m_cols, m_rows_touched(rows_per_block, cols, m_cols)
+
+
 def _blocks_launch(items: Sequence[StepItem]) -> int:
     """The steps of :func:`takes_blocks`' tensors in one launch."""
-    addresses, sizes, rows_of_scalars, flags, alive, shape = [], [], [], [], [], []
+    tables, sizes, shape = _SharedTables(), [], []
+    threads = numba.get_num_threads()
     start = first_block = 0
     for param, grad, state, cfg in items:
-        grad, address, numbers, flag = _shared_row(param, grad, state, cfg)
-        alive.append(grad)
-        addresses.append(address)
-        rows_of_scalars.append(numbers)
-        flags.append(flag)
-        rows, cols = matrix_shape(param)
-        m_cols = momentum_cols(state, cols)
-        m_width = m_cols if flag[0] else 0
-        rows_per_block, blocks = block_layout(rows, cols)
-        touched = m_rows_touched(rows_per_block, cols, m_cols) if flag[0] else 0
+        rows, cols, m_cols = tables.add(param, grad, state, cfg)
+        rows_per_block, blocks, m_width, touched = _blocks_sizes(rows, cols, m_cols, cfg.beta1 is not None, threads)
         v_start = start + blocks * m_width + SCRATCH_PAD  # the three sums, |M|'s columns from start
         rows_start = v_start + blocks * cols + SCRATCH_PAD
         sizes.append((rows, cols, m_cols, rows_per_block, blocks, start, v_start, rows_start, first_block))
         shape.append((blocks, rows_per_block * cols))
         start = rows_start + blocks * touched + SCRATCH_PAD
         first_block += blocks
-    work, part_starts = _work_parts(tuple(shape), numba.get_num_threads())
+    work, part_starts = _work_parts(tuple(shape), threads)
+    addresses, scalars, flags = tables.arrays()
     bad_counts = np.zeros(first_block, dtype=np.int64)
     with PARALLEL_LAUNCH:  # which also keeps the scratch to one launch at a time
-        many_blocks_kernel(np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
-                           np.array(rows_of_scalars, dtype=np.float32), np.array(flags, dtype=np.int64), work,
-                           part_starts, _blocks_scratch(start), bad_counts)
-    return sum(int(bad_counts[first:first + blocks].sum())
-               for (*_, blocks, _, _, _, first), (_, zero_bad) in zip(sizes, flags) if zero_bad)
+        many_blocks_kernel(addresses, np.array(sizes, dtype=np.int64), scalars, flags, work, part_starts,
+                           _blocks_scratch(start), bad_counts)
+    if not bad_counts.any():
+        return 0
+    return tables.bad([int(bad_counts[first:first + blocks].sum()) for *_, blocks, _, _, _, first in sizes])
 
 
 def steps_(items: Sequence[StepItem]) -> int:
     """The steps of many tensors: the small plain fp32 ones in one launch (:func:`many_kernel`), the
     mid-sized ones in another (:func:`many_blocks_kernel`), each also when alone; the rest one by one."""
     bad = 0
-    rows_of_addresses, sizes, rows_of_scalars, flags, alive, large, own = [], [], [], [], [], [], []
-    for param, grad, state, cfg in items:
+    tables, sizes, large, own = _SharedTables(), [], [], []
+    for item in items:
+        param, grad, state, cfg = item
         if takes_blocks(param, state, cfg):
-            large.append((param, grad, state, cfg))
-            continue
-        if not takes_many(param, state, cfg):
-            own.append((param, grad, state, cfg))
-            continue
-        grad, address, numbers, flag = _shared_row(param, grad, state, cfg)
-        alive.append(grad)
-        rows_of_addresses.append(address)
-        rows, cols = matrix_shape(param)
-        sizes.append((rows, cols, momentum_cols(state, cols)))
-        rows_of_scalars.append(numbers)
-        flags.append(flag)
+            large.append(item)
+        elif takes_many(param, state, cfg):
+            sizes.append(tables.add(param, grad, state, cfg))
+        else:
+            own.append(item)
     if large:
         bad += _blocks_launch(large)
-    if rows_of_addresses:
+    if sizes:
+        addresses, scalars, flags = tables.arrays()
         bad_counts = np.zeros(len(sizes), dtype=np.int64)
         with PARALLEL_LAUNCH:
-            many_kernel(np.array(rows_of_addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
-                        np.array(rows_of_scalars, dtype=np.float32), np.array(flags, dtype=np.int64), bad_counts)
-        bad += int(sum(count for count, (_, zero_bad) in zip(bad_counts.tolist(), flags) if zero_bad))
+            many_kernel(addresses, np.array(sizes, dtype=np.int64), scalars, flags, bad_counts)
+        if bad_counts.any():
+            bad += tables.bad(bad_counts.tolist())
     # Last: each streams its tensor through the caches, which the host work above would then find cold.
     for param, grad, state, cfg in own:
         bad += own_launch(param, grad, state, cfg)
