@@ -1,14 +1,16 @@
-"""The host's part of an SMMF step on the Triton path, measured without a GPU: CPU tensors, the Triton
-launches replaced by no-ops, so what is timed is the optimizer's Python and the launches' preparation
-(grouping, tables, plans) — what a GPU waits on when it runs the step faster than Python issues it.
+"""The host's part of an SMMF step, measured without its kernels: CPU tensors, the launches replaced by
+no-ops, so what is timed is the optimizer's Python and the launches' preparation (checks, grouping, tables,
+plans). On the Triton path (the default; no GPU needed) that is what a GPU waits on when it runs the step
+faster than Python issues it; on the numba path (``--numba``) it is the share of a CPU step that is not the
+kernels'.
 
     python benchmarks/host_time.py --sets gpt2-xl-1.3B,resnet50,gpt2-52M
     python benchmarks/host_time.py --recommended          # SMMF(**smmf.RECOMMENDED): the levels code's launches
-    python benchmarks/host_time.py --numba --sets resnet50   # the numba path's host side (its kernels no-ops)
+    python benchmarks/host_time.py --numba --sets resnet50   # the numba path's host side
     PYTHONPATH=<other checkout>/src python benchmarks/host_time.py   # another commit, for an A/B
 
-Besides the host's milliseconds it counts the Triton launches of a step (each costs the host a few
-microseconds more on a GPU, which CPU tensors do not show).
+Besides the host's milliseconds it counts the launches of a step (on a GPU each costs the host a few
+microseconds more, which CPU tensors do not show).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ KERNELS = ("step_kernel", "finish_kernel", "momentum_sums_kernel", "flag_finish_
 
 
 class _NoLaunch:
-    """A Triton kernel's stand-in: ``kernel[grid](...)`` only counts the launch."""
+    """A kernel's stand-in: ``kernel[grid](...)`` (Triton) or ``_launch(...)`` (numba) only counts the launch."""
 
     launches = 0
 

@@ -38,11 +38,14 @@ def block_layout(rows: int, cols: int) -> tuple[int, int]:
     return _block_layout(rows, cols, numba.get_num_threads())
 
 
-@functools.lru_cache(maxsize=4096)
 def _block_layout(rows: int, cols: int, threads: int) -> tuple[int, int]:
-    align = 8 // math.gcd(cols, 8)
     parallel = rows * cols >= PARALLEL_MIN_NUMEL
-    target_blocks = max(1, 4 * threads) if parallel else 1
+    return _blocks_of(rows, cols, max(1, 4 * threads) if parallel else 1)
+
+
+@functools.lru_cache(maxsize=4096)  # asked per tensor at every step
+def _blocks_of(rows: int, cols: int, target_blocks: int) -> tuple[int, int]:
+    align = 8 // math.gcd(cols, 8)
     rows_per_block = max(align, -(-rows // target_blocks))
     rows_per_block = -(-rows_per_block // align) * align
     return rows_per_block, -(-rows // rows_per_block)
@@ -109,7 +112,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     scratch = Scratch(
         col_acc_m=np.empty((blocks, m_cols if has_m else 0), dtype=scalar),
         col_acc_v=np.empty((blocks, cols), dtype=scalar),
-        row_acc_m=np.empty((blocks, m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar),
+        row_acc_m=np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar),
         bad_counts=np.zeros(blocks, dtype=np.int64))
     moments = Moments(
         signs=state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
@@ -225,9 +228,9 @@ def takes_blocks(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
 class _SharedTables:
     """The rows of a shared launch's tables (:func:`many_kernel`'s, :func:`many_blocks_kernel`'s), one
     tensor at a time: per tensor the data addresses of (w, g, signs, row_m, col_m, row_v, col_v), 0 for
-    M's arrays without M; its :class:`Scalars`; (has_m, zero_bad). What depends on a tensor's size is
-    made once per size and what depends on the config once per config: per tensor and step there is
-    only the addresses' row (the host's Python is a fifth of ResNet-50's step)."""
+    M's arrays without M; its :class:`Scalars`; (has_m, zero_bad). A tensor's view and cap come from a
+    cache by size, and a config's numbers and flags are made once per launch: per tensor and step the
+    host reads its addresses and a few cached lookups (ResNet-50 has 151 tensors in these launches)."""
 
     def __init__(self) -> None:
         self.addresses: list[tuple[int, ...]] = []
@@ -255,19 +258,21 @@ class _SharedTables:
         return rows, cols, m_cols
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The addresses, scalars and flags tables. A step's tensors mostly share one config (one per
-        param group): its numbers are then written once, broadcast to every row."""
+        """The addresses, scalars and flags tables. The tensors of a param group share one config at a
+        step: its numbers are made once, and broadcast when the launch has one config."""
         configs = self.configs
         scalars = np.empty((len(configs), len(Scalars._fields)), dtype=np.float32)
         flags = np.empty((len(configs), 2), dtype=np.int64)
         scalars[:, -1] = self.caps
-        first = configs[0]
-        if all(cfg is first for cfg in configs):
-            scalars[:, :-1] = _group_numbers(first, torch.float32)
-            flags[:] = (first.beta1 is not None, first.zero_nonfinite)
+        distinct = {id(cfg): cfg for cfg in configs}
+        numbers = {key: _group_numbers(cfg, torch.float32) for key, cfg in distinct.items()}
+        flag = {key: (cfg.beta1 is not None, cfg.zero_nonfinite) for key, cfg in distinct.items()}
+        if len(distinct) == 1:
+            (key,) = distinct
+            scalars[:, :-1], flags[:] = numbers[key], flag[key]
         else:
-            scalars[:, :-1] = [_group_numbers(cfg, torch.float32) for cfg in configs]
-            flags[:] = [(cfg.beta1 is not None, cfg.zero_nonfinite) for cfg in configs]
+            scalars[:, :-1] = [numbers[id(cfg)] for cfg in configs]
+            flags[:] = [flag[id(cfg)] for cfg in configs]
         return np.array(self.addresses, dtype=np.int64), scalars, flags
 
     def bad(self, counts: Sequence[int]) -> int:
@@ -316,13 +321,9 @@ def _blocks_scratch(size: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4096)
-def _blocks_sizes(rows: int, cols: int, m_cols: int, has_m: bool, threads: int) -> tuple[int, int, int, int]:
-    """A tensor's blocks in :func:`many_blocks_kernel` at ``threads`` threads: rows per block, blocks, and
-    the widths of its |M| column sums and its sums of M's rows (0 without M)."""
-    rows_per_block, blocks = _block_layout(rows, cols, threads)
-    if not has_m:
-        return rows_per_block, blocks, 0, 0
-    return rows_per_block, blocks, m_cols, m_rows_touched(rows_per_block, cols, m_cols)
+def _m_rows_touched(rows_per_block: int, cols: int, m_cols: int) -> int:
+    """:func:`m_rows_touched` for the host: numba's dispatch of the compiled one costs microseconds a call."""
+    return m_rows_touched(rows_per_block, cols, m_cols)
 
 
 def _blocks_launch(items: Sequence[StepItem]) -> int:
@@ -332,7 +333,8 @@ def _blocks_launch(items: Sequence[StepItem]) -> int:
     start = first_block = 0
     for param, grad, state, cfg in items:
         rows, cols, m_cols = tables.add(param, grad, state, cfg)
-        rows_per_block, blocks, m_width, touched = _blocks_sizes(rows, cols, m_cols, cfg.beta1 is not None, threads)
+        rows_per_block, blocks = _block_layout(rows, cols, threads)
+        m_width, touched = (m_cols, _m_rows_touched(rows_per_block, cols, m_cols)) if cfg.beta1 is not None else (0, 0)
         v_start = start + blocks * m_width + SCRATCH_PAD  # the three sums, |M|'s columns from start
         rows_start = v_start + blocks * cols + SCRATCH_PAD
         sizes.append((rows, cols, m_cols, rows_per_block, blocks, start, v_start, rows_start, first_block))
