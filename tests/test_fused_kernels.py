@@ -127,13 +127,18 @@ def _step_with(params, optimizers, step_grads) -> None:
         opt.step()
 
 
+def _assert_stepped_alike(opt, p, single, q) -> None:
+    """``p`` (of ``opt``) equals ``q`` (of ``single``), state and all."""
+    assert torch.equal(p, q)
+    for key, value in opt.state[p].items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key
+
+
 def _assert_as_alone_and_near_own(opt, together, singles, alone, own) -> None:
     """Each param of ``opt`` equals, state and all, the same param stepped by an optimizer of its own
     (``singles``), and is within float noise of ``own`` (stepped by its per-tensor kernel)."""
     for p, q, r, single in zip(together, alone, own, singles):
-        assert torch.equal(p, q)
-        for key, value in opt.state[p].items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key
+        _assert_stepped_alike(opt, p, single, q)
         torch.testing.assert_close(r, p, rtol=1e-6, atol=1e-6)
 
 
@@ -253,9 +258,7 @@ def test_param_groups_with_their_own_options_share_the_launches() -> None:
         _step_with([p for ps in alone for p in ps], singles, grads)
     for ps, qs, single in zip(together, alone, singles):
         for p, q in zip(ps, qs):
-            assert torch.equal(p, q)
-            for key, value in opt.state[p].items():
-                assert torch.equal(torch.as_tensor(value), torch.as_tensor(single.state[q][key])), key
+            _assert_stepped_alike(opt, p, single, q)
     items = []
     for group, ps in zip(opt.param_groups, together):
         for p in ps:
