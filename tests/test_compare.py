@@ -48,6 +48,16 @@ def test_every_optimizer_trains_the_cnn(name: str) -> None:
     assert result["state_bytes"] > 0
 
 
+@pytest.mark.parametrize("steps, overrides", [(1, {}), (30, {"lr": 1e30})])
+def test_a_run_with_no_timed_step_is_recorded(steps: int, overrides: dict) -> None:
+    """One step, or a run that diverges within the memory window (whose steps are not timed), is a result with
+    no step time, not a crash of the whole comparison."""
+    result = train_one(TASKS["digits-cnn"], "adam", overrides, steps=steps, eval_every=steps, seed=0,
+                       device=torch.device("cpu"), show_progress=False)
+    assert result["diverged"] == (steps > 1) and len(result["losses"]) < 10
+    assert math.isnan(result["mean_step_ms"]) and math.isnan(result["mean_train_step_ms"])
+
+
 def test_opt_args_parse_and_reject() -> None:
     assert parse_opt_args(["smmf:lr=3e-3,decay_rate=-0.8", "adam:amsgrad=True"]) == {
         "smmf": {"lr": 3e-3, "decay_rate": -0.8}, "adam": {"amsgrad": True}}

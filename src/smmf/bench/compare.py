@@ -137,10 +137,16 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
         "evals": evals,
         "state_bytes": optimizer_state_bytes(optimizer),
         "peak_bytes": peak_bytes if peak_bytes is not None else peak.peak_bytes(),
-        "mean_step_ms": statistics.fmean(step_ms[1:] or step_ms),
-        "mean_train_step_ms": statistics.fmean(train_ms[1:] or train_ms),
+        "mean_step_ms": _mean_ms(step_ms),
+        "mean_train_step_ms": _mean_ms(train_ms),
         "diverged": diverged,
     }
+
+
+def _mean_ms(times: list[float]) -> float:
+    """The mean of a run's timed steps but the first (its caches warm up); NaN where none was timed: a run of one
+    step, or one that diverged within the memory window (whose steps are not timed)."""
+    return statistics.fmean(times[1:] or times) if times else float("nan")
 
 
 # Training loss "at step k" is the mean of the LOSS_WINDOW steps ending at k (one batch is noisy).
