@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -186,7 +187,6 @@ def test_large_cpu_tensors_share_one_launch_and_match_their_own_launches(monkeyp
     inside backward runs) updates it, at any thread count, within float noise of its own parallel launch
     (the same bits where both come from numba's cache: benchmarks/bit_identity.py), and NaN gradient
     elements are counted for the tensors that zero them only."""
-    import numba
 
     from smmf.kernels.numba_cpu import host
 
@@ -206,21 +206,21 @@ def test_large_cpu_tensors_share_one_launch_and_match_their_own_launches(monkeyp
         _step_with(alone, singles, step_grads)
     # the 9×9 takes the small tensors' launch, the 1024×1025 one of its own
     assert launches == ([len(shapes) - 2] + [1] * (len(shapes) - 2)) * 3
-    threads = numba.get_num_threads()
-    try:  # the blocks and the threads' parts follow the thread count of each step
-        numba.set_num_threads(1)
+    threads = torch.get_num_threads()
+    try:  # the blocks and the threads' parts follow the thread count of each step (torch's, which numba's follows)
+        torch.set_num_threads(1)
         step_grads = [torch.randn(p.shape, generator=gen) for p in together]
         grads.append(step_grads)
         _step_with(together, [opt], step_grads)
         _step_with(alone, singles, step_grads)
     finally:
-        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)
     monkeypatch.setattr(host, "takes_blocks", lambda *args: False)  # each in a parallel launch of its own
     for number, step_grads in enumerate(grads):
         if number == 3:
-            numba.set_num_threads(1)
+            torch.set_num_threads(1)
         _step_with(own, owns, step_grads)
-    numba.set_num_threads(threads)
+    torch.set_num_threads(threads)
     _assert_as_alone_and_near_own(opt, together, singles, alone, own)
     monkeypatch.undo()
     items = []
@@ -233,6 +233,29 @@ def test_large_cpu_tensors_share_one_launch_and_match_their_own_launches(monkeyp
             p, opt.param_groups[0])), zero_nonfinite=count < 2)))
     assert host.steps_(items) == 3
     assert [bool(torch.isfinite(p).all()) for p in together[:3]] == [True, True, False]
+
+
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS or (os.cpu_count() or 1) < 2, reason="needs numba and 2 cores")
+@pytest.mark.parametrize("how", ["OMP_NUM_THREADS", "torch.set_num_threads"])
+def test_the_numba_step_keeps_and_follows_torchs_thread_count(how: str) -> None:
+    """Starting numba's OpenMP pool set torch's thread count to the core count, whatever the user had set (a
+    torchrun rank's OMP_NUM_THREADS=1 too); the numba kernel now runs on torch's count, read at every step."""
+    env = {"NUMBA_NUM_THREADS": str(os.cpu_count()), "OMP_NUM_THREADS": "1" if how == "OMP_NUM_THREADS" else ""}
+    out = run_script("""
+        import numba, torch, smmf
+        if not torch.get_num_threads() == 1:
+            torch.set_num_threads(1)
+        model = torch.nn.Linear(512, 256)
+        opt = smmf.SMMF(model.parameters(), backend="numba")
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        print(torch.get_num_threads(), numba.get_num_threads())
+        torch.set_num_threads(2)
+        opt.step()
+        print(torch.get_num_threads(), numba.get_num_threads())
+    """, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "2", "2"]
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")

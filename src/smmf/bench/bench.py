@@ -185,13 +185,9 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 10) -> flo
 
 
 def set_threads(threads: int) -> None:
-    """The CPU threads torch and (where installed) numba use."""
+    """The CPU threads torch and (at its next step) the numba kernel use."""
     if not 1 <= threads <= (os.cpu_count() or 1):
         fail(PROG, f"--threads must be between 1 and this machine's {os.cpu_count()} CPUs, got {threads}")
-    if "numba" in available_backends():
-        import numba
-
-        numba.set_num_threads(threads)  # first: starting numba's OpenMP pool resets torch's thread count
     torch.set_num_threads(threads)
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from ...functional import StepConfig
 from ...state import COL_V, ROW_V, MomentumCode
 from ..contract import FlagPass
-from .host import launch, launch_levels, steps_, updating_flag_pass
+from .host import follow_torch_threads, launch, launch_levels, steps_, updating_flag_pass
 
 __all__ = ["BACKEND", "numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_",
            "updating_flag_pass"]
@@ -40,6 +40,7 @@ def numba_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepCon
 def numba_shard_step_(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int) -> int:
     """The fused pass over an FSDP2 shard (:meth:`smmf.kernels.Backend.shard_step_`). Returns the
     NaN/inf gradient elements met."""
+    follow_torch_threads()
     if cfg.code is MomentumCode.LEVELS:
         return launch_levels(weight, grad, state, cfg, start, whole=False)
     rows, cols = state[ROW_V].numel(), state[COL_V].numel()
@@ -51,6 +52,7 @@ def numba_flag_shard_pass_(weight: Tensor, grad: Tensor, state: dict[str, Any], 
     """One of the magnitude flag's two passes over an FSDP2 shard
     (:meth:`smmf.kernels.Backend.flag_shard_pass_`). Returns the NaN/inf gradient elements the
     updating pass met (0 from the other)."""
+    follow_torch_threads()
     rows, cols = state[ROW_V].numel(), state[COL_V].numel()
     return launch(weight, grad, state, cfg, rows, cols, start, start + weight.numel(), flag_pass)
 

@@ -32,6 +32,28 @@ PARALLEL_LAUNCH = threading.Lock()
 PARALLEL_MIN_NUMEL = 1 << 16
 
 
+_POOL_STARTED = False
+
+
+def follow_torch_threads() -> int:
+    """Set numba's thread count to torch's (``torch.set_num_threads``, ``OMP_NUM_THREADS``; at most numba's
+    pool, ``NUMBA_NUM_THREADS``), read at every step, so that one setting governs the whole training step: a
+    torchrun rank with ``OMP_NUM_THREADS=1`` steps on one thread, not on every core. Starting numba's OpenMP
+    pool (its first parallel call) sets the OpenMP runtime's count, which torch shares, to the pool's size (the
+    core count by default): the caller's is put back. Returns the count."""
+    global _POOL_STARTED
+    threads = torch.get_num_threads()
+    if not _POOL_STARTED:
+        with PARALLEL_LAUNCH:
+            numba.get_num_threads()  # starts the pool
+            torch.set_num_threads(threads)
+            _POOL_STARTED = True
+    threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    if numba.get_num_threads() != threads:  # numba's count is per calling thread
+        numba.set_num_threads(threads)
+    return threads
+
+
 def block_layout(rows: int, cols: int) -> tuple[int, int]:
     """Rows per block (a multiple that keeps blocks byte-aligned in the sign bits) and blocks, at the
     thread count of now."""
@@ -355,6 +377,7 @@ def _blocks_launch(items: Sequence[StepItem]) -> int:
 def steps_(items: Sequence[StepItem]) -> int:
     """The steps of many tensors: the small plain fp32 ones in one launch (:func:`many_kernel`), the
     mid-sized ones in another (:func:`many_blocks_kernel`), each also when alone; the rest one by one."""
+    follow_torch_threads()
     bad = 0
     tables, sizes, large, own = _SharedTables(), [], [], []
     for item in items:
