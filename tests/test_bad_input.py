@@ -3,6 +3,7 @@ and changes nothing; crashes are tested in a subprocess."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,19 @@ def test_integer_params_are_rejected_at_construction(dtype: torch.dtype) -> None
 def test_non_numeric_hyperparameters_are_a_clear_error(name: str, value) -> None:
     with pytest.raises(ValueError, match=f"{name} should be a"):
         SMMF([torch.nn.Parameter(torch.zeros(2))], **{name: value})
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("lr", math.inf, "Invalid learning rate"), ("eps", math.inf, "Invalid epsilon"),
+    ("weight_decay", math.inf, "Invalid weight_decay"), ("magnitude_bits", 3.0, "magnitude_bits should be one of"),
+    ("magnitude_bits", True, "magnitude_bits should be one of")])
+def test_infinite_or_non_integer_hyperparameters_are_a_clear_error(name: str, value, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SMMF([torch.nn.Parameter(torch.zeros(2))], **{name: value})
+    opt = SMMF([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], name: value})
+    assert len(opt.param_groups) == 1
 
 
 def test_a_state_without_its_step_count_is_refused_before_anything_changes() -> None:

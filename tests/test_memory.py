@@ -101,6 +101,23 @@ def test_unknown_optimizer_is_a_clear_error() -> None:
         predict_state_bytes([(3, 3)], "lion")
 
 
+@pytest.mark.parametrize("optimizer, options, message", [
+    ("smmf", {"magnitude_bits": 2}, "magnitude_bits should be one of"),
+    ("smmf", {"momentum_shape": "bogus"}, "Unknown momentum_shape"),
+    ("smmf", {"typo_option": 1}, "SMMF has no option 'typo_option'"),
+    ("adam", {"magnitude_bits": 3}, "are options of SMMF, not of 'adam'")])
+def test_options_the_optimizer_would_refuse_are_a_clear_error(optimizer: str, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        predict_state_bytes([(64, 64)], optimizer, **options)
+
+
+def test_memory_is_reachable_from_the_package() -> None:
+    """As the README writes it: ``import smmf`` then ``smmf.memory.report(model)``."""
+    code = "import smmf, torch; print(smmf.memory.report(torch.nn.Linear(4, 4)).exact['smmf'] > 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
 def test_memory_cli_reproduces_a_paper_row() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "smmf.cli", "memory", "--model", "ResNet-50", "--format", "json"],

@@ -42,6 +42,19 @@ def _smmf_defaults() -> dict[str, object]:
             if p.default is not inspect.Parameter.empty}
 
 
+def _smmf_group(smmf_options: dict[str, object]) -> dict[str, object]:
+    """SMMF's constructor defaults updated with ``smmf_options``, checked as the constructor checks them."""
+    from .optimizer import _validate_group
+
+    defaults = _smmf_defaults()
+    unknown = sorted(set(smmf_options) - set(defaults))
+    if unknown:
+        raise ValueError(f"SMMF has no option {', '.join(map(repr, unknown))}; its options are {sorted(defaults)}")
+    group = {**defaults, **smmf_options}
+    _validate_group(group)
+    return group
+
+
 def _round_up(nbytes: int, block: int) -> int:
     return -(-nbytes // block) * block if block > 1 else nbytes
 
@@ -69,6 +82,8 @@ def _tensor_bytes(shape: Shape, optimizer: str, itemsize: int, dtype: torch.dtyp
     """:func:`predict_state_tensors` for elements of ``itemsize`` bytes, SMMF's for params of ``dtype``."""
     numel = math.prod(shape)
     dense = numel * itemsize
+    if smmf_options and optimizer != "smmf":
+        raise ValueError(f"{', '.join(map(repr, sorted(smmf_options)))} are options of SMMF, not of {optimizer!r}")
     if optimizer in ("adam", "adamw"):
         return [dense, dense]
     if optimizer in ("adafactor", "came"):
@@ -85,7 +100,7 @@ def _tensor_bytes(shape: Shape, optimizer: str, itemsize: int, dtype: torch.dtyp
         return [dense, *covers]
     if optimizer == "smmf":
         param = torch.empty(shape, device="meta", dtype=dtype)
-        layout = state_layout(param, {**_smmf_defaults(), **smmf_options})
+        layout = state_layout(param, _smmf_group(smmf_options))
         return [math.prod(spec.shape) * spec.dtype.itemsize for spec in layout.values()]
     raise ValueError(f"Unknown optimizer: {optimizer!r}. It needs to be one of {list(OPTIMIZERS)}")
 

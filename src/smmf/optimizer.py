@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union, cast
@@ -42,7 +44,7 @@ ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 RECOMMENDED: dict[str, Any] = {"magnitude_bits": 3, "momentum_rounding": "stochastic", "decay_rate": -0.8,
                                "growth_rate": None}
 """The options beyond the paper that we recommend, as ``SMMF`` keyword arguments:
-``SMMF(params, **smmf.RECOMMENDED)``. The block-levels code of M (4.125 bits per parameter instead of ~1), its
+``SMMF(params, **smmf.RECOMMENDED)``. The block-levels code of M (4.125 bits per parameter instead of the paper code's ~1.3), its
 levels rounded stochastically: on the language models we measured it keeps the loss of a dense fp32 M where the
 paper's code and the natural shape do not (nearest levels fell 11–16% behind at 3× the default learning rate).
 With it β2's decay rate γ = −0.8 (the paper's value for Transformers; the default −0.5 is its value for CNNs and
@@ -87,15 +89,15 @@ def _validate_group(group: dict[str, Any]) -> None:
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element but has {lr.numel()} elements")
         lr = lr.item()
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+    if not 0.0 <= lr < math.inf:
+        raise ValueError(f"Invalid learning rate: {lr} (must be finite and >= 0)")
     beta = group["beta"]
     if beta is not None and not 0.0 <= beta < 1.0:
         raise ValueError(f"Invalid beta: {beta} (must be None or in [0, 1))")
-    if not 0.0 <= group["eps"]:
-        raise ValueError(f"Invalid epsilon value: {group['eps']} (must be >= 0)")
-    if not 0.0 <= group["weight_decay"]:
-        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be >= 0)")
+    if not 0.0 <= group["eps"] < math.inf:
+        raise ValueError(f"Invalid epsilon value: {group['eps']} (must be finite and >= 0)")
+    if not 0.0 <= group["weight_decay"] < math.inf:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be finite and >= 0)")
     if not -1.0 <= group["decay_rate"] <= 0.0:
         raise ValueError(f"Invalid decay_rate: {group['decay_rate']} (must be in [-1, 0])")
     growth_rate = group["growth_rate"]
@@ -118,7 +120,7 @@ def _validate_group(group: dict[str, Any]) -> None:
             f"Unknown momentum_shape: {group['momentum_shape']!r}. It needs to be one of {list(MOMENTUM_SHAPES)}"
         )
     bits = group["magnitude_bits"]
-    if isinstance(bits, bool) or bits not in MAGNITUDE_BITS:
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in MAGNITUDE_BITS:  # not 3.0
         raise ValueError(f"magnitude_bits should be one of {list(MAGNITUDE_BITS)} but is: {bits!r}")
     rounding = group["momentum_rounding"]
     if rounding not in MOMENTUM_ROUNDINGS:
@@ -269,7 +271,7 @@ class SMMF(Optimizer):
         vector_reshape: square-matricize 1-D tensors too; ``False`` keeps dense M and V for
             them (default: True).
         weight_decay_mode: ``"adamw"`` (decoupled) or ``"adam"`` (L2 added to the gradient;
-            use a coefficient ~1000× smaller) (default: ``"adamw"``).
+            use a coefficient ~1000–2000× smaller) (default: ``"adamw"``).
         maximize: maximize the objective instead of minimizing it (default: False).
         stochastic_rounding: round bf16 parameters stochastically when writing the update
             back, with noise that torch's generator decides on every path (``torch.manual_seed``)
