@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import io
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -604,3 +607,12 @@ def test_a_hook_whose_handle_is_gone_says_so_once() -> None:
     gone = [w for w in caught if "step inside backward" in str(w.message)]
     assert len(gone) == 2 and all(w.category is RuntimeWarning for w in gone)  # one per param, not per backward
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_the_example_resumes_bit_identically_with_its_scheduler_stepped_per_step() -> None:
+    """``examples/step_in_backward.py``, as users copy it: the scheduler steps once per training step."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "step_in_backward.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().endswith("identical: True"), out.stdout
+    assert "scheduler.step()" in script.read_text().split("def train", 1)[1].split("\n\n\n", 1)[0]
