@@ -456,3 +456,28 @@ def test_spread_over_seeds_of_runs_too_short_for_loss_at_100() -> None:
     assert _spread([float("nan"), float("nan")]) == "nan ± nan"
     assert _spread([1.0, float("inf")]) == "inf ± nan"
     assert _spread([1.0, 3.0]) == "2 ± 1.4"
+
+
+def test_plots_of_many_rows_have_a_colour_each_and_a_legend_beside(tmp_path) -> None:
+    """Past 10 rows the default colour cycle repeats: the curves take tab20's colours instead."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from smmf.bench import plots
+
+    runs = [{"task": "digits-cnn", "optimizer": "smmf", "label": "SMMF", "seed": seed, "steps": 4, "eval_every": 2,
+             "kwargs": {"lr": str(k)}, "losses": [1.0, 0.5, 0.4, 0.3], "metric": "test_accuracy",
+             "evals": [{"step": 2, "test_accuracy": 50.0 + k}, {"step": 4, "test_accuracy": 60.0 + k}],
+             "state_bytes": 100 + k} for k in range(12) for seed in (0, 1)]
+    colours = []
+    saved = plt.Figure.savefig
+
+    def savefig(fig, path, **kwargs):
+        colours.append([line.get_color() for line in fig.axes[0].get_lines()])
+        return saved(fig, path, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plt.Figure, "savefig", savefig)
+        plots.plot_all(runs, tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"loss.png", "metric.png", "state_memory.png"}
+    assert all(len(set(c)) == 12 for c in colours[:2])

@@ -74,9 +74,14 @@ def plot_all(results: list[dict[str, Any]], out: Path) -> None:
     groups = by_run(results)
     labels = run_labels(groups)
     tasks = list(dict.fromkeys(r["task"] for r in results))
+    # Past 10 rows a task's curves take tab20's colours (the default cycle repeats) and a legend beside the plot.
+    most = max(sum(key[0] == task for key in groups) for task in tasks)
+    colours = plt.get_cmap("tab20").colors if most > 10 else None
     for kind, fname in (("loss", "loss.png"), ("metric", "metric.png")):
-        fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+        fig, axes = plt.subplots(1, len(tasks), figsize=((6 if most <= 6 else 9) * len(tasks), 4), squeeze=False)
         for ax, task in zip(axes[0], tasks):
+            if colours is not None:
+                ax.set_prop_cycle(color=colours)
             for key, runs in groups.items():
                 if key[0] != task:
                     continue
@@ -98,9 +103,12 @@ def plot_all(results: list[dict[str, Any]], out: Path) -> None:
             ax.set_title(task)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-            ax.legend()
+            if most <= 6:
+                ax.legend()
+            else:
+                ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
         fig.tight_layout()
-        fig.savefig(out / fname, dpi=110)
+        fig.savefig(out / fname, dpi=110, bbox_inches="tight")
         plt.close(fig)
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
