@@ -210,3 +210,18 @@ def test_step_params_refuses_a_param_outside_its_group_before_anything_changes()
     dropped.grad = torch.randn_like(dropped)
     with pytest.raises(ValueError, match="none of the optimizer's param groups"):
         opt.step_params([(opt.param_groups[1], dropped)])
+
+
+def test_a_param_cast_after_its_state_was_made_is_refused_with_the_cast_named() -> None:
+    """``model.double()`` mid-run: the state no longer fits, and the error says why, before anything changes."""
+    model = torch.nn.Linear(64, 64)
+    opt = SMMF(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    model.double()
+    model(torch.randn(4, 64, dtype=torch.float64)).sum().backward()
+    params = list(model.parameters())
+    saved = snapshot_of(opt, params)
+    with pytest.raises(RuntimeError, match=r"cast to torch.float64 \(model.double\(\)"):
+        opt.step()
+    assert_unchanged(opt, params, saved)

@@ -240,13 +240,16 @@ def _refuse_other_tensors(param: Tensor, group: Mapping[str, Any], state: Mappin
     if misfit is not None:
         key, shape, dtype = misfit
         tensor = state[key]
-        _refuse_edited(param, key, f"shape {tuple(tensor.shape)} ({tensor.dtype})", f"{tuple(shape)} ({dtype})")
+        cast = tuple(tensor.shape) == tuple(shape) and tensor.dtype != dtype
+        _refuse_edited(param, key, f"shape {tuple(tensor.shape)} ({tensor.dtype})", f"{tuple(shape)} ({dtype})",
+                       f"was the parameter cast to {param.dtype} (model.double(), .half(), .to(dtype)) after its "
+                       "state was made, or the state edited?" if cast else None)
 
 
-def _refuse_edited(param: Tensor, key: str, got: str, need: str) -> None:
+def _refuse_edited(param: Tensor, key: str, got: str, need: str, question: Optional[str] = None) -> None:
     raise RuntimeError(
         f"a parameter of shape {tuple(param.shape)} has SMMF state '{key}' of {got} where it needs {need}: "
-        "was the optimizer's state edited? Build a new optimizer or load a checkpoint"
+        + (question or "was the optimizer's state edited?") + " Build a new optimizer or load a checkpoint"
     )
 
 
