@@ -225,3 +225,26 @@ def test_a_param_cast_after_its_state_was_made_is_refused_with_the_cast_named() 
     with pytest.raises(RuntimeError, match=r"cast to torch.float64 \(model.double\(\)"):
         opt.step()
     assert_unchanged(opt, params, saved)
+
+
+def test_a_state_key_added_by_hand_is_called_an_edit_not_an_option_change() -> None:
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    opt = SMMF([param])
+    param.grad = torch.randn(4, 6)
+    opt.step()
+    opt.state[param]["ema"] = torch.zeros(4, 6)
+    saved = snapshot_of(opt, [param])
+    with pytest.raises(RuntimeError, match=r"state keys \[.*'ema'.*\] where its options need .*state edited"):
+        opt.step()
+    assert_unchanged(opt, [param], saved)
+
+
+def test_a_group_with_a_param_twice_is_refused() -> None:
+    """torch only warns; SMMF stepped such a param twice per step, with its first state lost."""
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="same parameter more than once"):
+        SMMF([param, param])
+    opt = SMMF([torch.nn.Parameter(torch.randn(3))])
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="same parameter more than once"):
+        opt.add_param_group({"params": [param, param]})
+    assert len(opt.param_groups) == 1

@@ -177,3 +177,15 @@ def test_a_checkpoint_without_an_optional_option_keeps_the_constructors(key: str
     opt = SMMF(model.parameters(), **extra, **{key: value})
     opt.load_state_dict(saved)
     assert opt.param_groups[0][key] == value
+
+
+def test_a_checkpoint_written_with_swalr_attached_loads() -> None:
+    """``torch.optim.swa_utils.SWALR`` adds ``swa_lr`` to each group; torch's optimizers load such a checkpoint."""
+    param = torch.nn.Parameter(torch.randn(3, 4))
+    opt = SMMF([param])
+    torch.optim.swa_utils.SWALR(opt, swa_lr=0.05)
+    param.grad = torch.randn(3, 4)
+    opt.step()
+    again = SMMF([torch.nn.Parameter(param.detach().clone())])
+    again.load_state_dict(opt.state_dict())
+    assert again.param_groups[0]["swa_lr"] == 0.05

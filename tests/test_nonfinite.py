@@ -84,3 +84,18 @@ def test_backends_agree_on_huge_and_nonfinite_grads() -> None:
                 opts[b].step()
     for b in CPU_FUSED_BACKENDS:
         torch.testing.assert_close(ps[b], ps["torch"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_warning_counts_every_tensor_of_the_step(backend: str) -> None:
+    """5 + 3 + 1 NaN elements in three tensors: the torch path, which steps one tensor at a time, warned 5."""
+    params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(3)]
+    opt = SMMF(params, backend=backend)
+    for param, count in zip(params, (5, 3, 1)):
+        grad = torch.randn(8, 8)
+        grad.view(-1)[:count] = float("nan")
+        param.grad = grad
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert [str(w.message).split(" NaN")[0] for w in caught] == ["SMMF met 9"]

@@ -616,3 +616,18 @@ def test_the_example_resumes_bit_identically_with_its_scheduler_stepped_per_step
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip().endswith("identical: True"), out.stdout
     assert "scheduler.step()" in script.read_text().split("def train", 1)[1].split("\n\n\n", 1)[0]
+
+
+def test_a_param_taken_out_of_its_group_is_left_alone_as_the_loop_leaves_it() -> None:
+    """Its hook stays installed; a backward used to fail on it with a KeyError (and refuse every later one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = SMMF(model.parameters())
+    step_in_backward(opt)
+    bias = opt.param_groups[0]["params"].pop(1)
+    before = bias.detach().clone()
+    for _ in range(2):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    assert torch.equal(bias, before) and bias.grad is not None and model.weight.grad is None
+    assert opt.state[model.weight]["step"] == 2 and opt.state[bias].get("step", 0) == 0

@@ -248,6 +248,12 @@ class StepInBackward:
                         clip_tensor_norm_(param, grad, self.clip_grad_norm)
             # Each param with its group as the optimizer holds it now (load_state_dict replaces the dicts).
             places = self.optimizer._places_now()
+            # A param taken out of every group since its hook was installed is left alone, with its gradient,
+            # as the loop's optimizer.step() leaves it.
+            kept = [i for i, p in enumerate(params) if id(p) in places]
+            if len(kept) < len(params):
+                params = [params[i] for i in kept]
+                grads = None if grads is None else [grads[i] for i in kept]
             self.optimizer.step_params([(places[id(p)][1], p) for p in params], grads)
             if grads is None:
                 for param in params:

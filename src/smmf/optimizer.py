@@ -68,9 +68,10 @@ NONFINITE_GRADS = ("zero", "propagate")
 _OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads", "momentum_shape", "magnitude_bits",
                   "momentum_rounding")
 MOMENTUM_ROUNDINGS = ("nearest", "stochastic")
-# Keys that torch adds to param groups: learning-rate schedulers, and ``param_names`` in an optimizer
+# Keys that torch adds to param groups: learning-rate schedulers (``swa_lr``: ``swa_utils.SWALR``), and ``param_names`` in an optimizer
 # built from ``named_parameters()`` (torch >= 2.6).
-_TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "param_names")
+_TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "swa_lr",
+                     "param_names")
 # The packed bits of M (its signs, the magnitude flag): by rows of the parameter in FSDP2 checkpoints.
 _BIT_KEYS = frozenset({SIGN_M, FLAG_M})
 
@@ -269,7 +270,7 @@ class SMMF(Optimizer):
             Transformers (default: −0.5).
         growth_rate: λ in ``β1_t = β1·λ^(t−1)``; ``None`` keeps β1 constant (default: 0.999).
         vector_reshape: square-matricize 1-D tensors too; ``False`` keeps dense M and V for
-            them (default: True).
+            them (a complex vector is stepped as its n×2 real view, and factored) (default: True).
         weight_decay_mode: ``"adamw"`` (decoupled) or ``"adam"`` (L2 added to the gradient;
             use a coefficient ~1000–2000× smaller) (default: ``"adamw"``).
         maximize: maximize the objective instead of minimizing it (default: False).
@@ -370,10 +371,14 @@ class SMMF(Optimizer):
         super().add_param_group(param_group)
         try:
             _validate_group(self.param_groups[-1])
-            for param in self.param_groups[-1]["params"]:
+            params = self.param_groups[-1]["params"]
+            if len({id(param) for param in params}) < len(params):
+                # torch only warns; stepped twice per step, a param would also race itself in a fused launch
+                raise ValueError("a parameter group holds the same parameter more than once: give each once")
+            for param in params:
                 _reject_non_float(param)
                 _reject_flattened(param)
-        except (ValueError, RuntimeError):
+        except (ValueError, RuntimeError, TypeError):
             self.param_groups.pop()
             raise
         if self._step_in_backward is not None:
@@ -447,6 +452,7 @@ class SMMF(Optimizer):
         batches: dict[Kernel, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
         configs: dict[tuple[int, int, MomentumCode], StepConfig] = {}
         pending = []  # (param, its state before) of the steps not yet run: restored if one raises
+        met = 0  # NaN/inf elements the host counts: warned once for the whole step, not for its first tensor
         try:
             for group, param, ordinal, grad, before, state, code, kernel in work:
                 pending.append((param, before))
@@ -461,7 +467,7 @@ class SMMF(Optimizer):
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()
                     _mark_written(kernel, [(param, state)])
-                    self._nonfinite.report(nonfinite)
+                    met += self._host_count(nonfinite)
                 else:
                     batches.setdefault(kernel, []).append((param, grad, state, cfg))
             for kernel, items in batches.items():
@@ -469,7 +475,8 @@ class SMMF(Optimizer):
                 _mark_written(kernel, [(param, state) for param, _, state, _ in items])
                 done = {id(param) for param, *_ in items}
                 pending = [entry for entry in pending if id(entry[0]) not in done]
-                self._nonfinite.report(nonfinite)
+                met += self._host_count(nonfinite)
+            self._nonfinite.report(met)
         except BaseException:
             for param, before in pending:
                 if before:
@@ -477,6 +484,13 @@ class SMMF(Optimizer):
                 else:
                     self.state.pop(param, None)
             raise
+
+    def _host_count(self, nonfinite: Any) -> int:
+        """A kernel's count of NaN/inf elements as a number to add up; a CUDA count goes to the monitor as it is."""
+        if isinstance(nonfinite, Tensor):
+            self._nonfinite.report(nonfinite)
+            return 0
+        return nonfinite or 0
 
     def _places_now(self, again: bool = False) -> dict[int, tuple[int, dict[str, Any]]]:
         """Each param's position over the param groups (the same on every rank and after a resume: the levels'

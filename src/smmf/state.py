@@ -200,11 +200,16 @@ def check_state_fits(param: Tensor, group: Mapping[str, Any], state: Mapping[str
         if key != STEP and not isinstance(value, Tensor):
             _refuse_edited(param, key, type(value).__name__, "a tensor")
     real = real_view(param)
-    if state.keys() != _STATE_KEYS[code, group["beta"] is not None]:
+    need_keys = _STATE_KEYS[code, group["beta"] is not None]
+    if state.keys() != need_keys:
         if STEP not in state:
             raise RuntimeError(f"a parameter of shape {tuple(param.shape)} has SMMF state without its 'step' count: "
                                "was the optimizer's state edited? Build a new optimizer or load a checkpoint")
-        _refuse_layout_change()  # the state was made under another code
+        if frozenset(state) in _STATE_KEYS.values():
+            _refuse_layout_change()  # the state was made under another code
+        raise RuntimeError(f"a parameter of shape {tuple(param.shape)} has SMMF state keys {sorted(state)} where its "
+                           f"options need {sorted(need_keys)}: was the optimizer's state edited? Build a new optimizer "
+                           "or load a checkpoint")
     if EXP_AVG_SQ in state:
         got, need = tuple(state[EXP_AVG_SQ].shape), tuple(real.shape)
         if is_dtensor(state[EXP_AVG_SQ]) or got == need:
