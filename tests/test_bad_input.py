@@ -248,3 +248,17 @@ def test_a_group_with_a_param_twice_is_refused() -> None:
     with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="same parameter more than once"):
         opt.add_param_group({"params": [param, param]})
     assert len(opt.param_groups) == 1
+
+
+def test_numpy_hyperparameters_are_taken_as_python_floats() -> None:
+    """A sweep over ``np.logspace`` gives ``np.float64`` (or float32) values; torch's optimizers take them."""
+    np = pytest.importorskip("numpy")
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    opt = SMMF([param], lr=np.float32(1e-3), beta=np.float64(0.9), weight_decay=np.float32(0.0))
+    assert all(type(opt.param_groups[0][k]) is float for k in ("lr", "beta", "weight_decay"))
+    twin = torch.nn.Parameter(param.detach().clone())
+    ref = SMMF([twin], lr=float(np.float32(1e-3)), beta=0.9)
+    param.grad = twin.grad = torch.randn(4, 6)
+    opt.step()
+    ref.step()
+    assert torch.equal(param, twin)

@@ -80,6 +80,8 @@ def _validate_group(group: dict[str, Any]) -> None:
     """One check per hyperparameter; each message states the rule and the value."""
     for name in ("lr", "eps", "weight_decay", "decay_rate", "beta", "growth_rate"):
         value = group[name]
+        if isinstance(value, numbers.Real) and type(value) not in (int, float, bool):  # numpy's, as torch takes them
+            value = group[name] = float(value)
         optional = name in ("beta", "growth_rate")
         if not (isinstance(value, (int, float)) and not isinstance(value, bool)) and not (
             (optional and value is None) or (name == "lr" and isinstance(value, Tensor))
