@@ -38,6 +38,17 @@ CLI_CASES = {
     "bench one unknown set": (["bench", "--sets", "resnet50,nope"], "--sets: unknown 'nope'"),
     "bench zero repeats": (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),
     "bench zero threads": (["bench", "--threads", "0"], "--threads must be between 1 and"),
+    "bench plot without training": (["bench", "--plot", "{tmp}/p.png"], "--plot is for --training"),
+    "bench largest without training": (["bench", "--largest", "1"], "--largest is for --training"),
+    "bench threads with training": (["bench", "--training", "--threads", "1"], "--threads is for the step benchmarks"),
+    "opt-args key a kwargs optimizer drops": (["compare", "--optimizers", "adafactor", "--opt-args",
+                                               "adafactor:bogus=1"], "AdaFactor has no option 'bogus'"),
+    "compare seed too large": (["compare", "--seed", str(2**64)], "--seed must be between 0 and 2**63"),
+    "compare negative seed": (["compare", "--seed", "-1"], "--seed must be between 0 and 2**63"),
+    "resume run without its figures": (["compare", "--resume", "--out", "{tmp}/bare"], "those that trained metric"),
+    "resume command not text": (["compare", "--resume", "--out", "{tmp}/numeric"], "not a results file"),
+    "resume pretrain steps not a number": (["compare", "--resume", "--out", "{tmp}/pretrain"],
+                                           "--pretrain-steps is not a number"),
 }
 if not torch.cuda.is_available():
     CLI_CASES |= {
@@ -56,7 +67,10 @@ def test_cli_error_is_one_line_exit_2_before_any_work(case: str, tmp_path, monke
     (tmp_path / "bad.json").write_text("{bad")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "unknown.json").write_text('{"model_type": "nope"}')
-    for name, text in (("truncated", '{"meta": {}, "results": [{"task"'), ("foreign", '{"results": [{"foo": 1}]}')):
+    for name, text in (("truncated", '{"meta": {}, "results": [{"task"'), ("foreign", '{"results": [{"foo": 1}]}'),
+                       ("bare", '{"results": [{"task": "digits-cnn", "optimizer": "adam", "label": "Adam"}]}'),
+                       ("numeric", '{"meta": {"command": 5}, "results": []}'),
+                       ("pretrain", '{"meta": {"command": "smmf compare --pretrain-steps x"}, "results": []}')):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(text)
 

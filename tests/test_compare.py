@@ -63,6 +63,8 @@ def test_opt_args_parse_and_reject() -> None:
         "smmf": {"lr": 3e-3, "decay_rate": -0.8}, "adam": {"amsgrad": True}}
     with pytest.raises(ValueError, match="NAME:key=value"):
         parse_opt_args(["smmf"])
+    assert parse_opt_args(["adam:betas=(0.9,0.99),lr=1e-3", "came:betas=[0.9,0.999,0.9999]"]) == {
+        "adam": {"betas": (0.9, 0.99), "lr": 1e-3}, "came": {"betas": [0.9, 0.999, 0.9999]}}
 
 
 def test_cli_quick_run_writes_all_outputs(tmp_path, monkeypatch) -> None:
@@ -439,7 +441,9 @@ def test_resume_tells_finetune_runs_apart_by_their_pretraining(tmp_path) -> None
     assert _job_key(task, job) != _job_key(task, {**job, "pretrain_steps": 100})
     kwargs = {"lr": "0.0003", "betas": "(0.9, 0.999)", "eps": "1e-08", "weight_decay": "0.0005"}
     result = {"task": "finetune-lm", "optimizer": "adamw", "label": "AdamW (torch)", "seed": 0, "kwargs": kwargs,
-              "losses": [1.0] * 300, "evals": [{"step": 15 * k} for k in range(1, 21)], "diverged": False}
+              "losses": [1.0] * 300, "evals": [{"step": 15 * k} for k in range(1, 21)], "diverged": False,
+              "metric": "held_out_loss", "final_metric": 1.0, "best_metric": 1.0, "state_bytes": 8, "peak_bytes": None,
+              "mean_step_ms": 1.0, "mean_train_step_ms": 2.0}
     for command, pretrain in (("smmf compare --tasks finetune-lm", None), ("smmf compare --pretrain-steps 100", 100)):
         write_outputs([], {"command": command, "code": "0123abc", "machine": "cpu"}, tmp_path, plots=False)
         data = json.loads((tmp_path / "results.json").read_text())

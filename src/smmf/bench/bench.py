@@ -368,7 +368,12 @@ def main(args: argparse.Namespace | None = None) -> int:
         _peak_child(args.peak_child)
         return 0
     if args.training:
+        if args.threads is not None:
+            fail(PROG, "--threads is for the step benchmarks; --training runs its children on torch's default")
         return _training(args)
+    for flag, value in (("--plot", args.plot), ("--largest", args.largest)):
+        if value is not None:
+            fail(PROG, f"{flag} is for --training")
     sets = comma_list(PROG, "--sets", args.sets, list(SHAPE_SETS))
     if args.repeats < 1:
         fail(PROG, f"--repeats must be at least 1, got {args.repeats}")

@@ -11,6 +11,7 @@ are opt-in. A peer whose package is missing is a skipped row, with a note.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -356,6 +357,24 @@ def _run_key(result: dict[str, Any]) -> tuple:
 
 
 _RUN_KEYS = ("task", "optimizer", "label")  # what every run of a results file has, run or skipped
+# ... and what every run that trained has (the tables and plots read them)
+_RAN_KEYS = ("metric", "final_metric", "best_metric", "losses", "evals", "state_bytes", "peak_bytes", "mean_step_ms",
+             "mean_train_step_ms")
+
+
+def _well_formed(data: Any) -> bool:
+    """``data`` has the shape of a results file: a 'meta' object and runs whose fields the report reads."""
+    if not (isinstance(data, dict) and isinstance(data.get("results", []), list)
+            and isinstance(data.get("meta", {}), dict) and isinstance(data.get("meta", {}).get("command", ""), str)):
+        return False
+    for run in data.get("results", []):
+        if not (isinstance(run, dict) and all(key in run for key in _RUN_KEYS)):
+            return False
+        if not run.get("skipped") and not (all(key in run for key in _RAN_KEYS)
+                                           and isinstance(run["losses"], list) and isinstance(run["evals"], list)
+                                           and isinstance(run.get("kwargs", {}), dict)):
+            return False
+    return True
 
 
 def stored_results(out: Path) -> list[dict[str, Any]]:
@@ -369,15 +388,17 @@ def stored_results(out: Path) -> list[dict[str, Any]]:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not a results file of smmf compare ({err})") from None
-    if not (isinstance(data, dict) and isinstance(data.get("results", []), list)
-            and isinstance(data.get("meta", {}), dict)
-            and all(isinstance(r, dict) and all(key in r for key in _RUN_KEYS) for r in data.get("results", []))):
+    if not _well_formed(data):
         raise ValueError(f"{path} is not a results file of smmf compare (a 'meta' object and a 'results' list whose "
-                         f"runs each have {', '.join(_RUN_KEYS)}): move it away, or give another --out")
+                         f"runs each have {', '.join(_RUN_KEYS)}, and those that trained {', '.join(_RAN_KEYS)}): "
+                         "move it away, or give another --out")
     meta = data.get("meta", {})
     command = meta.get("command", "").split()
-    device = meta.get("device") or ("cuda" if "NVIDIA" in meta.get("machine", "") else "cpu")
-    pretrain = int(command[command.index("--pretrain-steps") + 1]) if "--pretrain-steps" in command else None
+    device = meta.get("device") or ("cuda" if "NVIDIA" in str(meta.get("machine", "")) else "cpu")
+    try:
+        pretrain = int(command[command.index("--pretrain-steps") + 1]) if "--pretrain-steps" in command else None
+    except (IndexError, ValueError):
+        raise ValueError(f"{path}: its command's --pretrain-steps is not a number ({meta['command']!r})") from None
     return [{"device": device, "code": meta.get("code", "unknown"),
              "pretrain_steps": _pretraining(r["task"], pretrain) if r.get("task") in TASKS else None, **r}
             for r in data.get("results", [])]
@@ -444,7 +465,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--out", default="runs/compare", help="output directory")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when available")
     parser.add_argument("--opt-args", action="append", default=[], metavar="NAME:key=value,...",
-                        help="override an optimizer's hyperparameters, e.g. smmf:decay_rate=-0.8")
+                        help="override an optimizer's hyperparameters, e.g. smmf:decay_rate=-0.8 or "
+                             "adam:betas=(0.9,0.99)")
     parser.add_argument("--quick", action="store_true", help="a tiny run for smoke tests")
     parser.add_argument("--cache", help="finetune-lm: where its pretrained checkpoint is kept (default: $SMMF_CACHE, "
                                         "else $XDG_CACHE_HOME/smmf or ~/.cache/smmf)")
@@ -474,6 +496,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
         writable_dir(PROG, "--cache", str(cache_root(args.cache)))
     if args.seeds < 1:
         fail(PROG, f"--seeds must be at least 1, got {args.seeds}")
+    if not 0 <= args.seed <= 2**63 - args.seeds:  # torch.manual_seed takes less than 2**64; numpy less than 2**63
+        fail(PROG, f"--seed must be between 0 and 2**63 - --seeds, got {args.seed}")
     if args.jobs < 1:
         fail(PROG, f"--jobs must be at least 1, got {args.jobs}")
     cuda_or_fail(PROG, args.device)
@@ -491,10 +515,18 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
             spec = optimizer_specs(kind)[name]
             if missing_package(spec):
                 continue  # skipped when it runs
+            given = f"--opt-args {name}:{','.join(f'{k}={v}' for k, v in overrides.items())}"
             try:
-                spec.build(probe, **{**spec.kwargs, **overrides})
+                built = spec.build(probe, **{**spec.kwargs, **overrides})
             except (TypeError, ValueError) as err:
-                fail(PROG, f"--opt-args {name}:{','.join(f'{k}={v}' for k, v in overrides.items())}: {err}")
+                fail(PROG, f"{given}: {err}")
+            # pytorch_optimizer's AdaFactor, SM3 and CAME take **kwargs (and keep them in their defaults, unused):
+            # a misspelled option would run as the default
+            named = inspect.signature(type(built).__init__).parameters
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in named.values())
+            unknown = sorted(key for key in overrides if takes_any and (key not in named or key in ("self", "params")))
+            if unknown:
+                fail(PROG, f"{given}: {type(built).__name__} has no option {', '.join(map(repr, unknown))}")
     return tasks, optimizers, device, opt_args, writable_dir(PROG, "--out", args.out)
 
 

@@ -122,14 +122,26 @@ RECOMMENDED_SMMF = "smmf-recommended"
 DEFAULT_OPTIMIZERS = (*OPTIMIZERS, RECOMMENDED_SMMF)
 
 
+def _top_level_commas(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets: ``betas=(0.9,0.99),lr=1`` is two pairs."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def parse_opt_args(items: list[str]) -> dict[str, dict[str, Any]]:
-    """``["smmf:lr=3e-3,decay_rate=-0.8", ...]`` → ``{"smmf": {"lr": 0.003, "decay_rate": -0.8}}``."""
+    """``["smmf:lr=3e-3,decay_rate=-0.8", "adam:betas=(0.9,0.99)"]`` → ``{"smmf": {"lr": 0.003, "decay_rate":
+    -0.8}, "adam": {"betas": (0.9, 0.99)}}``."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         name, sep, rest = item.partition(":")
         if not sep or not rest:
             raise ValueError(f"--opt-args expects NAME:key=value[,key=value], got {item!r}")
-        for pair in rest.split(","):
+        for pair in _top_level_commas(rest):
             key, eq, value = pair.partition("=")
             if not eq:
                 raise ValueError(f"--opt-args expects key=value, got {pair!r} in {item!r}")
