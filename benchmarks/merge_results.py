@@ -1,9 +1,9 @@
 """One report from the runs of several ``smmf compare`` outputs: a study run a batch at a time.
 
 Long studies (``stdlib-lm``: an hour or more per run on a 2-core CPU) are run a few runs per command, each into its
-own folder. This reads the ``results.json`` of every folder given, keeps the runs of one task on one kind of
-device, drops repeats (the same run kept by several ``--resume`` commands: same optimizer, seed, steps,
-hyperparameters, pretraining), orders them by optimizer (AdamW and Adam, the references, first) and seed, and writes the report
+own folder. This reads the ``results.json`` of every folder given, keeps the runs of one task on one kind of device,
+drops repeats (the same run kept by several ``--resume`` commands: same optimizer, seed, steps, hyperparameters,
+pretraining), orders them by optimizer (AdamW and Adam, the references, first) and seed, and writes the report
 ``smmf compare`` writes for its own runs: ``results.md`` (mean ± std over each row's seeds, the worst seed's
 loss@100), ``results.csv``, ``results.json`` and the curves with a band across seeds. Nothing is trained. Each run
 keeps the commit it ran at; the report's header lists them. Rows differ in their number of seeds; the table's
@@ -26,7 +26,8 @@ from smmf.bench.optimizers import optimizer_specs
 
 def merged_runs(folders: list[Path], task: str, device: str) -> tuple[list[dict[str, Any]], list[str]]:
     """The distinct runs of ``task`` on ``device`` in ``folders`` (the first copy of each): AdamW's and Adam's,
-    then the others in ``smmf compare``'s optimizer order, each by setting and seed; and the machines the folders' headers name."""
+    then the others in ``smmf compare``'s optimizer order, each by setting and seed; and the machines the folders'
+    headers name."""
     runs: dict[tuple, dict[str, Any]] = {}
     machines: list[str] = []
     for folder in folders:

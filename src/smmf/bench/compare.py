@@ -524,7 +524,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
             # a misspelled option would run as the default
             named = inspect.signature(type(built).__init__).parameters
             takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in named.values())
-            unknown = sorted(key for key in overrides if takes_any and (key not in named or key in ("self", "params")))
+            unknown = sorted(set(overrides) - set(named)) if takes_any else []
             if unknown:
                 fail(PROG, f"{given}: {type(built).__name__} has no option {', '.join(map(repr, unknown))}")
     return tasks, optimizers, device, opt_args, writable_dir(PROG, "--out", args.out)
