@@ -277,7 +277,7 @@ def _accumulating_run(kind: str, world: int, options: dict, k: int, in_backward:
 
     model = nn.parallel.DistributedDataParallel(make_net()) if kind.startswith("ddp") else _sharded_net(world)
     params = list(model.parameters())
-    if kind == "ddp shared":  # the last layer with another optimizer, stepped in the loop
+    if kind in ("ddp shared", "ddp added"):  # the last layer: with another optimizer, or added to this one later
         head = list(model.module.fc2.parameters())
         params = [p for p in params if all(p is not q for q in head)]
     opt = optimizer(params, **{key: value for key, value in options.items() if key != "clip"})
@@ -285,6 +285,8 @@ def _accumulating_run(kind: str, world: int, options: dict, k: int, in_backward:
         opt.partner = torch.optim.SGD(head, lr=0.05)
     if in_backward:  # "fsdp2 alone": without the module, FSDP2 syncs every micro-batch
         step_in_backward(opt, k, module=None if kind == "fsdp2 alone" else model, clip_grad_norm=options.get("clip"))
+    if kind == "ddp added":  # after the hooks: its params are stepped on the averaged gradients too
+        opt.add_param_group({"params": head})
     if load is not None:
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
@@ -381,4 +383,28 @@ def reshard_load_worker(rank: int, world: int, port: int, out: str, options: dic
               "state": [{key: _full(value) for key, value in entry.items()} for _, entry in sorted(opt.state_dict()["state"].items())]}
     if rank == 0:
         torch.save(result, Path(out) / f"loaded-{saved_on}-on-{world}.pt")
+    finish()
+
+
+def ddp_refusals_worker(rank: int, world: int, port: int, out: str) -> None:
+    """What ``step_in_backward`` refuses under DDP, each refusal leaving the optimizer as it was."""
+    import pytest
+
+    from smmf import step_in_backward
+
+    init(rank, world, port)
+    net = make_net()
+    unused_found = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    opt = optimizer(net.parameters())
+    with pytest.raises(ValueError, match="find_unused_parameters=True"):
+        step_in_backward(opt, module=unused_found)
+    assert opt._step_in_backward is None
+    model = nn.parallel.DistributedDataParallel(make_net())
+    opt = optimizer(model.parameters())
+    step_in_backward(opt, module=model)
+    stray = nn.Parameter(torch.zeros(3, dtype=torch.float64))  # not in the module: DDP never averages it
+    with pytest.raises(RuntimeError, match="not in the module given to step_in_backward"):
+        opt.add_param_group({"params": [stray]})
+    assert len(opt.param_groups) == 1 and stray not in opt.state
+    (Path(out) / f"refused{rank}").touch()
     finish()

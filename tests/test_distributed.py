@@ -174,6 +174,7 @@ IN_BACKWARD = [
     ("ddp", 3, 2, dict(momentum_shape="natural")),
     ("ddp", 2, 2, dict(clip=0.01)),
     ("ddp shared", 2, 2, {}),  # another optimizer (SGD) holds the last layer: it keeps DDP's averaged gradients
+    ("ddp added", 2, 1, {}),  # the last layer added with add_param_group after the hooks were installed
 ]
 
 
@@ -210,6 +211,13 @@ def test_step_in_backward_matches_the_ordinary_loop(tmp_path, kind: str, world: 
     for continued in (crossed, straight_inside, crossed_inside):
         for a, b in zip(continued, straight):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_ddp_refusals_leave_the_optimizer_as_it_was(tmp_path) -> None:
+    """DDP with find_unused_parameters=True (a param one rank leaves unused would be stepped on the other
+    ranks only), and a param outside the module added after the hooks were installed."""
+    _spawn(dist_workers.ddp_refusals_worker, tmp_path)
+    assert all((tmp_path / f"refused{rank}").exists() for rank in range(WORLD))
 
 
 def _element_levels(state: dict, param: torch.Tensor) -> torch.Tensor:

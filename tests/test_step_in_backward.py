@@ -119,6 +119,43 @@ def test_checkpoints_are_interchangeable_both_ways_and_schedulers_drive_it() -> 
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("saved_in_backward", [False, True], ids=["ordinary-to-in-backward", "in-backward-to-ordinary"])
+def test_dcp_checkpoints_of_a_partly_frozen_model_cross_between_the_loops(tmp_path, saved_in_backward: bool) -> None:
+    """A fine-tuning model with a frozen layer: DCP's template has state for the params that take
+    gradients only, in either loop, so each loop's checkpoint loads into the other and continues its run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make(in_backward: bool) -> tuple[torch.nn.Module, SMMF]:
+        model = _cnn()
+        model[0].requires_grad_(False)
+        opt = SMMF(model.parameters(), lr=1e-2)
+        if in_backward:
+            step_in_backward(opt)
+        return model, opt
+
+    def train(model: torch.nn.Module, opt: SMMF, steps: range) -> None:
+        for step in steps:
+            _loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+
+    reference, opt_ref = make(False)
+    train(reference, opt_ref, range(4))
+    saver, opt_saver = make(saved_in_backward)
+    train(saver, opt_saver, range(2))
+    model_sd, optim_sd = get_state_dict(saver, opt_saver)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+    loader, opt_loader = make(not saved_in_backward)
+    model_sd, optim_sd = get_state_dict(loader, opt_loader)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(loader, opt_loader, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert loader[0].weight not in opt_loader.state  # a frozen param has no state, in either loop
+    train(loader, opt_loader, range(2, 4))
+    assert _same(reference, loader)
+
+
 def test_accumulation_steps_on_the_kth_micro_batch() -> None:
     ordinary, fused = _cnn(), _cnn()
     opt_a, opt_b = SMMF(ordinary.parameters(), lr=1e-2), SMMF(fused.parameters(), lr=1e-2)

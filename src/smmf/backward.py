@@ -175,13 +175,18 @@ class StepInBackward:
 
     def attach(self, params: list[Tensor]) -> None:
         """Hook ``params`` (the optimizer's :meth:`~SMMF.add_param_group` calls this). Frozen ones
-        get a hook too, which fires once they are unfrozen. Every param's state is made now, as the
-        first step would make it: ``torch.distributed.checkpoint``'s state dicts make a missing state
-        by calling ``step()`` with zero gradients, which does nothing here."""
+        get a hook too, which fires once they are unfrozen. The state of every param that takes
+        gradients is made now, as the first step would make it: ``torch.distributed.checkpoint``'s
+        state dicts make a missing state by calling ``step()`` with zero gradients on those params,
+        which does nothing here. Frozen params get none, as there, so that a checkpoint of either loop
+        has the keys the other's asks for; one unfrozen later gets its state at its first step."""
+        if self._sync is not None:  # a param added later, as one given at install
+            _refuse_outside(self._sync.module, params)
+            self._sync.adopt(params)
         elsewhere = managed_elsewhere(self._sync)
         for group in self.optimizer.param_groups:  # DCP's state_dict calls step() to make the state: a no-op now
             for param in group["params"]:
-                if not self.optimizer.state.get(param):
+                if param.requires_grad and not self.optimizer.state.get(param):
                     self.optimizer.state[param] = init_state(param, group)
         for param in params:
             if param in self._handles or param in elsewhere:
@@ -369,6 +374,22 @@ def clip_tensor_norm_(param: Tensor, grad: Tensor, max_norm: float) -> None:
     piece.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
+def _refuse_outside(module: nn.Module, params: list[Tensor]) -> None:
+    """Across ranks, refuse plain ``params`` that ``module`` does not reduce: their step would see this
+    rank's gradient."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return
+    in_module = set(module.parameters())
+    outside = [p for p in params if p not in in_module and not is_dtensor(p)]
+    if outside:
+        raise RuntimeError(
+            f"{len(outside)} of the optimizer's parameters are not in the module given to step_in_backward: their "
+            "step would see this rank's gradient before any all-reduce. Give the optimizer only the module's "
+            "parameters, or use the ordinary optimizer.step()."
+        )
+
+
 def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optional[nn.Module] = None,
                      clip_grad_norm: Optional[float] = None) -> StepInBackward:
     """Run ``optimizer``'s step for each parameter inside backward, and free its gradient.
@@ -397,8 +418,9 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
     until every gradient exists; clip per tensor with ``clip_grad_norm``); ``torch.amp.GradScaler`` (the step would run on scaled gradients before the
     scaler could check them; ``scaler.step`` then fails with its "No inf checks were recorded"
     error); plain parameters reduced across ranks without ``module`` (the step would see this rank's
-    gradient before the all-reduce: refused while a process group of more than one rank exists);
-    installing twice on one optimizer.
+    gradient before the all-reduce: refused while a process group of more than one rank exists); DDP built
+    with ``find_unused_parameters=True`` (a parameter one rank leaves unused would be stepped on the other
+    ranks only); installing twice on one optimizer.
     """
     if not isinstance(optimizer, SMMF):
         raise TypeError(f"step_in_backward takes an smmf.SMMF optimizer, not {type(optimizer).__name__}")
@@ -410,6 +432,13 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
     if module is not None and not (is_ddp(module) or is_fsdp2(module)):
         raise TypeError("module should be the DistributedDataParallel or FSDP2 (fully_shard) model that reduces the "
                         f"gradients, not {type(module).__name__}")
+    if module is not None and is_ddp(module) and module.find_unused_parameters:
+        raise ValueError(
+            "step_in_backward cannot take a DistributedDataParallel model built with find_unused_parameters=True: "
+            "a parameter that one rank leaves unused has no gradient there when its bucket is reduced, so the "
+            "other ranks would step it and that one not, and the replicas would drift apart. Build DDP without it "
+            "(DDP then reports a parameter left unused), or use the ordinary optimizer.step()."
+        )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
                   and torch.distributed.get_world_size() > 1)
@@ -419,15 +448,8 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
             "otherwise see this rank's gradient before the all-reduce. Pass module=<your DistributedDataParallel "
             "model>, or use the ordinary optimizer.step()."
         )
-    if module is not None and multi_rank:
-        in_module = set(module.parameters())
-        outside = [p for p in params if p not in in_module and not is_dtensor(p)]
-        if outside:
-            raise RuntimeError(
-                f"{len(outside)} of the optimizer's parameters are not in the module given to step_in_backward: their "
-                "step would see this rank's gradient before any all-reduce. Give the optimizer only the module's "
-                "parameters, or use the ordinary optimizer.step()."
-            )
+    if module is not None:
+        _refuse_outside(module, params)
     if optimizer._step_in_backward is not None:
         raise RuntimeError(
             "step_in_backward is already installed on this optimizer; call remove() on its handle before "

@@ -69,6 +69,13 @@ class ModuleSync:
         self._handles = [module.register_forward_pre_hook(self._set_sync),
                          module.register_forward_hook(self._count_backward)]
 
+    def adopt(self, params: list[Tensor]) -> None:
+        """Take ``params`` added to the optimizer after install (:meth:`~smmf.SMMF.add_param_group`): under
+        DDP the communication hook steps those of the module, as those given at install."""
+        if self.ddp:
+            in_module = set(self.module.parameters())
+            self.bucketed |= {p for p in params if p in in_module}
+
     def remove(self) -> None:
         """Unhook; DDP cannot drop a communication hook, so ours then averages as DDP's own does."""
         for handle in self._handles:

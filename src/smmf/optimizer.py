@@ -379,11 +379,11 @@ class SMMF(Optimizer):
             for param in params:
                 _reject_non_float(param)
                 _reject_flattened(param)
+            if self._step_in_backward is not None:  # refuses before it changes anything
+                self._step_in_backward.attach(params)
         except (ValueError, RuntimeError, TypeError):
             self.param_groups.pop()
             raise
-        if self._step_in_backward is not None:
-            self._step_in_backward.attach(self.param_groups[-1]["params"])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
