@@ -142,6 +142,7 @@ def _collectives_in_one_step(model: nn.Module, options: dict, rank: int, world: 
 def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
@@ -163,6 +164,8 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
     train(model, opt, range(3), rank, world)
     ckpt = Path(out) / "dcp"
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    whole = StateDictOptions(full_state_dict=True)  # plain tensors of the whole params, on every rank
+    full = {"model": get_model_state_dict(model, options=whole), "optim": get_optimizer_state_dict(model, opt, options=whole)}
     model = _sharded_net(world)
     opt = optimizer(model.parameters(), **options)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -171,12 +174,19 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
     set_optimizer_state_dict(model, opt, state["optim"])
     train(model, opt, range(3, STEPS), rank, world)
     resumed = _full_params(model)
+    # The full state dict, loaded into shards without saying it is full: each rank takes its rows.
+    model = _sharded_net(world)
+    opt = optimizer(model.parameters(), **options)
+    set_model_state_dict(model, full["model"], options=whole)
+    set_optimizer_state_dict(model, opt, full["optim"])
+    train(model, opt, range(3, STEPS), rank, world)
+    resumed_full = _full_params(model)
     local_bit_bytes = [opt.state[p][key].to_local().numel() for p in model.parameters()
                        for key in ("sign_m", "flag_m") if key in opt.state[p]]
     paths = sorted({step_kernel("auto", p, momentum_code(p, opt.param_groups[0])).name for p in model.parameters()})
     collectives = _collectives_in_one_step(_sharded_net(world), options, rank, world)
     if rank == 0:
-        torch.save({"straight": straight, "resumed": resumed, "bit_bytes": local_bit_bytes, "paths": paths,
+        torch.save({"straight": straight, "resumed": resumed, "resumed_full": resumed_full, "bit_bytes": local_bit_bytes, "paths": paths,
                     "collectives": collectives}, Path(out) / "fsdp2.pt")
     finish()
 

@@ -48,10 +48,11 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
     result = torch.load(tmp_path / "fsdp2.pt")
     single = dist_workers.single_process_params(**options)
     moved = 0
-    for straight, resumed, ps in zip(result["straight"], result["resumed"], single):
+    for straight, resumed, full, ps in zip(result["straight"], result["resumed"], result["resumed_full"], single):
         # Factors are summed across ranks: the same math as one device, up to summation order.
         torch.testing.assert_close(straight, ps, rtol=0, atol=1e-12)
         assert torch.equal(straight, resumed)  # DCP round trip continues exactly
+        assert torch.equal(straight, full)  # and so does a full state dict, each rank taking its rows
         moved += 1
     assert moved == len(single) > 0
     bit_arrays = 2 if options.get("magnitude_bits") else 1  # sign bits, and the flag's
@@ -80,10 +81,12 @@ def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_pa
     single = dist_workers.single_process_params(**options)
     start = dist_workers.make_net()
     assert len(result["straight"]) == len(single) > 0
-    for straight, resumed, ps, p0 in zip(result["straight"], result["resumed"], single, start.parameters()):
+    for straight, resumed, full, ps, p0 in zip(result["straight"], result["resumed"], result["resumed_full"], single,
+                                               start.parameters()):
         assert not torch.equal(ps, p0.detach())  # it trained
         torch.testing.assert_close(straight, ps, rtol=0, atol=1e-12)
         assert torch.equal(straight, resumed)  # DCP round trip continues exactly
+        assert torch.equal(straight, full)  # a full state dict: its codes and scales were kept whole on every rank
     if "numba" in available_backends():
         assert result["paths"] == ["sharded numba"]
         assert result["collectives"] == {"all_reduce": 1, "all_gather": 1, "all_gather_into_tensor": 0}

@@ -18,7 +18,7 @@ from .functional import StepConfig
 from .kernels import check_backend
 from .levels import step_salt
 from .schedules import beta1_at, beta2_at
-from .sharding import bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, shard_info
+from .sharding import bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, placed_like, shard_info
 from .state import (
     FLAG_M,
     MAGNITUDE_BITS,
@@ -618,9 +618,11 @@ class SMMF(Optimizer):
         for pid, saved in state_dict["state"].items():
             param, options = param_of[pid]
             state = self.state[param]
+            made = init_state(param, options) if is_dtensor(param) else {}  # how a shard's state is placed
             for key, spec in state_layout(param, options).items():
+                value = placed_like(saved[key], made[key]) if made else saved[key]
                 # Contiguous: the kernels index the 2-D state (the levels code's) as row-major.
-                state[key] = saved[key].to(param.device, spec.dtype, copy=True, memory_format=torch.contiguous_format)
+                state[key] = value.to(param.device, spec.dtype, copy=True, memory_format=torch.contiguous_format)
             state[STEP] = int(cast(Any, saved[STEP]))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

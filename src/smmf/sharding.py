@@ -9,7 +9,9 @@ factors, and therefore the update, are the single-device ones whatever the world
 
 In a checkpoint the bits take a layout of their own (:func:`bits_for_checkpoint`): one row of bytes
 per row of the parameter, placed ``Shard(0)`` like it, so ``torch.distributed.checkpoint`` reshards
-them with the parameter and a checkpoint saved on N ranks loads on any number (one process too).
+them with the parameter and a checkpoint saved on N ranks loads on any number of ranks of an FSDP2 model
+(a one-rank mesh too). An unsharded model's bits keep the flat packing in checkpoints, so DCP does not
+cross between the two; a full state dict does (:func:`bits_from_checkpoint`, :func:`placed_like`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,26 @@ def as_state(local: Tensor, info: ShardInfo, sharded: bool) -> Tensor:
         shape = torch.Size([local.shape[0] * info.world])
         return DTensor.from_local(local, info.mesh, [Shard(0)], run_check=False, shape=shape, stride=(1,))
     return DTensor.from_local(local, info.mesh, [Replicate()], run_check=False)
+
+
+def placed_like(saved: Tensor, made: Tensor) -> Tensor:
+    """A loaded state tensor placed as the state ``made`` for a DTensor param: a whole (plain) tensor of a
+    full state dict becomes this rank's rows of a ``Shard(0)`` state, or a ``Replicate`` one; a DTensor, or
+    a tensor for a plain param, is returned as it is. (Without this a full state dict's codes and dense
+    moments stayed whole on every rank and were read against this rank's rows.)"""
+    if is_dtensor(saved) or not is_dtensor(made):
+        return saved
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placed: Any = made
+    mesh, placements = placed.device_mesh, tuple(placed.placements)
+    piece = saved
+    if placements == (Shard(0),):
+        local_shape, offset = compute_local_shape_and_global_offset(tuple(made.shape), mesh, placements)
+        piece = saved[offset[0] : offset[0] + local_shape[0]]
+    return DTensor.from_local(piece.to(local(made).device), mesh, placements, run_check=False,
+                              shape=made.shape, stride=made.stride())
 
 
 def local(t: Tensor) -> Tensor:
