@@ -276,8 +276,8 @@ class SMMF(Optimizer):
             use a coefficient ~1000–2000× smaller) (default: ``"adamw"``).
         maximize: maximize the objective instead of minimizing it (default: False).
         stochastic_rounding: round bf16 parameters stochastically when writing the update
-            back, with noise that torch's generator decides on every path (``torch.manual_seed``)
-            (default: False).
+            back, with noise that torch's generator decides on every path (``torch.manual_seed``;
+            under DDP seed every rank alike, or the replicas drift apart) (default: False).
         nonfinite_grads: what a NaN or ±inf gradient element does. ``"zero"``: it counts as a zero
             gradient for that element alone (its moments decay, the rest of the tensor is updated
             as usual) and a warning is issued once; ``"propagate"``: it flows into the update as in
