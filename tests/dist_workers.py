@@ -181,12 +181,23 @@ def fsdp2_worker(rank: int, world: int, port: int, out: str, options: dict) -> N
     set_optimizer_state_dict(model, opt, full["optim"])
     train(model, opt, range(3, STEPS), rank, world)
     resumed_full = _full_params(model)
+    # An unsharded run's state dict (the bits' flat packing), loaded into shards.
+    unsharded = make_net()
+    unsharded_opt = optimizer(unsharded.parameters(), **options)
+    train(unsharded, unsharded_opt, range(3))
+    model = _sharded_net(world)
+    opt = optimizer(model.parameters(), **options)
+    set_model_state_dict(model, unsharded.state_dict(), options=whole)
+    opt.load_state_dict(unsharded_opt.state_dict())
+    train(model, opt, range(3, STEPS), rank, world)
+    resumed_unsharded = _full_params(model)
     local_bit_bytes = [opt.state[p][key].to_local().numel() for p in model.parameters()
                        for key in ("sign_m", "flag_m") if key in opt.state[p]]
     paths = sorted({step_kernel("auto", p, momentum_code(p, opt.param_groups[0])).name for p in model.parameters()})
     collectives = _collectives_in_one_step(_sharded_net(world), options, rank, world)
     if rank == 0:
-        torch.save({"straight": straight, "resumed": resumed, "resumed_full": resumed_full, "bit_bytes": local_bit_bytes, "paths": paths,
+        torch.save({"straight": straight, "resumed": resumed, "resumed_full": resumed_full,
+                    "resumed_unsharded": resumed_unsharded, "bit_bytes": local_bit_bytes, "paths": paths,
                     "collectives": collectives}, Path(out) / "fsdp2.pt")
     finish()
 
@@ -285,7 +296,13 @@ def _accumulating_run(kind: str, world: int, options: dict, k: int, in_backward:
 
     from smmf import step_in_backward
 
-    model = nn.parallel.DistributedDataParallel(make_net()) if kind.startswith("ddp") else _sharded_net(world)
+    if kind.startswith("ddp"):
+        net = make_net()
+        if kind == "ddp ignored":  # a param DDP leaves alone: each rank steps it on its own gradient, in either loop
+            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["fc2.weight"])
+        model = nn.parallel.DistributedDataParallel(net)
+    else:
+        model = _sharded_net(world)
     params = list(model.parameters())
     if kind in ("ddp shared", "ddp added"):  # the last layer: with another optimizer, or added to this one later
         head = list(model.module.fc2.parameters())

@@ -53,6 +53,8 @@ def test_fsdp2_matches_single_process_and_resumes_through_dcp(tmp_path, options:
         torch.testing.assert_close(straight, ps, rtol=0, atol=1e-12)
         assert torch.equal(straight, resumed)  # DCP round trip continues exactly
         assert torch.equal(straight, full)  # and so does a full state dict, each rank taking its rows
+    for straight, unsharded in zip(result["straight"], result["resumed_unsharded"]):
+        torch.testing.assert_close(unsharded, straight, rtol=0, atol=1e-12)  # an unsharded run's, too
         moved += 1
     assert moved == len(single) > 0
     bit_arrays = 2 if options.get("magnitude_bits") else 1  # sign bits, and the flag's
@@ -87,6 +89,8 @@ def test_fsdp2_levels_code_matches_single_process_and_resumes_through_dcp(tmp_pa
         torch.testing.assert_close(straight, ps, rtol=0, atol=1e-12)
         assert torch.equal(straight, resumed)  # DCP round trip continues exactly
         assert torch.equal(straight, full)  # a full state dict: its codes and scales were kept whole on every rank
+    for straight, unsharded in zip(result["straight"], result["resumed_unsharded"]):
+        torch.testing.assert_close(unsharded, straight, rtol=0, atol=1e-12)  # an unsharded run's, too
     if "numba" in available_backends():
         assert result["paths"] == ["sharded numba"]
         assert result["collectives"] == {"all_reduce": 1, "all_gather": 1, "all_gather_into_tensor": 0}
@@ -178,6 +182,7 @@ IN_BACKWARD = [
     ("ddp", 2, 2, dict(clip=0.01)),
     ("ddp shared", 2, 2, {}),  # another optimizer (SGD) holds the last layer: it keeps DDP's averaged gradients
     ("ddp added", 2, 1, {}),  # the last layer added with add_param_group after the hooks were installed
+    ("ddp ignored", 2, 2, {}),  # a param in DDP's parameters_to_ignore: stepped by its own hook
 ]
 
 
@@ -209,6 +214,8 @@ def test_step_in_backward_matches_the_ordinary_loop(tmp_path, kind: str, world: 
     else:  # ("ddp shared": the other optimizer's zero_grad set its params' to None)
         assert all(g is None or not g.any() for g in inside["grads"])
         assert kind != "ddp" or all(g is not None for g in inside["grads"])
+    if kind == "ddp ignored":
+        return  # each rank's copy of the param DDP ignores differs; DCP keeps one of them
     # Checkpoints are interchangeable: each continued from the other's equals its own continuation.
     straight, crossed, straight_inside, crossed_inside = result["continued"]
     for continued in (crossed, straight_inside, crossed_inside):

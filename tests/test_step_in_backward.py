@@ -156,6 +156,60 @@ def test_dcp_checkpoints_of_a_partly_frozen_model_cross_between_the_loops(tmp_pa
     assert _same(reference, loader)
 
 
+def test_dcp_checkpoint_loads_into_a_run_that_unfroze_a_param_after_install(tmp_path) -> None:
+    """DCP makes a template's state only for an optimizer without any: a param unfrozen after the hooks
+    were installed gets its state from ``state_dict()``, so the checkpoint's state for it is loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    reference, saver = _cnn(), _cnn()
+    opt_ref, opt_saver = SMMF(reference.parameters(), lr=1e-2), SMMF(saver.parameters(), lr=1e-2)
+    _ordinary(reference, opt_ref, range(4))
+    _ordinary(saver, opt_saver, range(2))
+    model_sd, optim_sd = get_state_dict(saver, opt_saver)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+    loader = _cnn()
+    loader[0].requires_grad_(False)
+    opt_loader = SMMF(loader.parameters(), lr=1e-2)
+    step_in_backward(opt_loader)
+    loader[0].requires_grad_(True)  # unfrozen after install, before the resume
+    model_sd, optim_sd = get_state_dict(loader, opt_loader)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(loader, opt_loader, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _fused(loader, opt_loader, range(2, 4))
+    assert _same(reference, loader)
+
+
+def test_a_refused_param_group_leaves_no_trace() -> None:
+    """A group that cannot be hooked (a non-leaf that retains its grad, which torch's add_param_group takes) is
+    refused before its params get state or hooks: the optimizer saves and steps as before."""
+    model = _cnn()
+    opt = SMMF(model.parameters(), lr=1e-2)
+    handle = step_in_backward(opt)
+    leaf = torch.nn.Parameter(torch.randn(4, 3))
+    non_leaf = leaf * 2
+    non_leaf.retain_grad()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="leaf tensors only"):
+        opt.add_param_group({"params": [leaf, non_leaf]})
+    assert len(opt.param_groups) == 1 and leaf not in opt.state and leaf not in handle._handles
+    assert opt.state_dict()["state"].keys() == before["state"].keys()
+
+
+def test_a_plain_param_added_across_ranks_without_the_module_is_refused(monkeypatch) -> None:
+    """As at install: without the module that reduces it, its step would see this rank's gradient."""
+    model = _cnn()
+    opt = SMMF(model.parameters(), lr=1e-2)
+    step_in_backward(opt)  # one process: plain params are fine
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 2)
+    stray = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="needs the module that reduces the gradients across ranks"):
+        opt.add_param_group({"params": [stray]})
+    assert len(opt.param_groups) == 1 and stray not in opt.state
+
+
 def test_accumulation_steps_on_the_kth_micro_batch() -> None:
     ordinary, fused = _cnn(), _cnn()
     opt_a, opt_b = SMMF(ordinary.parameters(), lr=1e-2), SMMF(fused.parameters(), lr=1e-2)
@@ -591,7 +645,7 @@ def test_a_hooked_model_still_copies_and_pickles() -> None:
 
 
 _DROPPED_DDP_MODEL = """
-import gc, sys, weakref
+import gc, sys, time, weakref
 import torch, torch.distributed as dist
 from smmf import SMMF, step_in_backward
 
@@ -604,7 +658,11 @@ for _ in range(2):
 assert not torch.equal(before, net.module[0].weight)
 ref = weakref.ref(net.module[0].weight)
 del net
-gc.collect()
+for _ in range(10):  # gloo's threads drop their last references to a step's futures a moment later
+    gc.collect()
+    if ref() is None:
+        break
+    time.sleep(0.1)
 print("freed" if ref() is None else "kept")
 dist.destroy_process_group()
 """

@@ -174,20 +174,24 @@ class StepInBackward:
         return self.optimizer._step_in_backward is self
 
     def attach(self, params: list[Tensor]) -> None:
-        """Hook ``params`` (the optimizer's :meth:`~SMMF.add_param_group` calls this). Frozen ones
-        get a hook too, which fires once they are unfrozen. The state of every param that takes
-        gradients is made now, as the first step would make it: ``torch.distributed.checkpoint``'s
-        state dicts make a missing state by calling ``step()`` with zero gradients on those params,
-        which does nothing here. Frozen params get none, as there, so that a checkpoint of either loop
-        has the keys the other's asks for; one unfrozen later gets its state at its first step."""
-        if self._sync is not None:  # a param added later, as one given at install
-            _refuse_outside(self._sync.module, params)
+        """Hook ``params`` (the optimizer's :meth:`~SMMF.add_param_group` calls this), or refuse them
+        before anything changes. Frozen ones get a hook too, which fires once they are unfrozen (under
+        DDP, the params DDP reduces are stepped by its communication hook instead). The state of every
+        param that takes gradients is made now, as the first step would make it:
+        ``torch.distributed.checkpoint``'s state dicts make a missing state by calling ``step()`` with
+        zero gradients on those params, which does nothing here. Frozen params get none, as there, so
+        that a checkpoint of either loop has the keys the other's asks for (one unfrozen later gets its
+        state at its first step, or from :meth:`make_missing_state`)."""
+        _refuse_unreduced(self._sync.module if self._sync is not None else None, params)
+        for param in params:
+            if not param.is_leaf:  # torch takes a non-leaf that retains its grad; its hook cannot be registered
+                raise ValueError("step_in_backward steps leaf tensors only (a post-accumulate-grad hook needs a leaf): "
+                                 f"a parameter of shape {tuple(param.shape)} is not one")
+        made = self._missing_state()  # may refuse (a DTensor's placement): before anything changes
+        if self._sync is not None:
             self._sync.adopt(params)
+        self.optimizer.state.update(made)
         elsewhere = managed_elsewhere(self._sync)
-        for group in self.optimizer.param_groups:  # DCP's state_dict calls step() to make the state: a no-op now
-            for param in group["params"]:
-                if param.requires_grad and not self.optimizer.state.get(param):
-                    self.optimizer.state[param] = init_state(param, group)
         for param in params:
             if param in self._handles or param in elsewhere:
                 continue
@@ -200,6 +204,17 @@ class StepInBackward:
             finally:
                 if frozen:
                     param.requires_grad_(False)
+
+    def _missing_state(self) -> dict[Tensor, dict[str, Any]]:
+        """The state of each param that takes gradients and has none yet, as its first step makes it."""
+        return {param: init_state(param, group) for group in self.optimizer.param_groups for param in group["params"]
+                if param.requires_grad and not self.optimizer.state.get(param)}
+
+    def make_missing_state(self) -> None:
+        """Make the state of params unfrozen since install (``SMMF.state_dict`` calls this): DCP's state
+        dicts only make state when the optimizer has none at all, and the template of a checkpoint's load
+        would otherwise lack theirs."""
+        self.optimizer.state.update(self._missing_state())
 
     def remove(self) -> None:
         """Unhook: ``step()`` and ``zero_grad()`` act again; gradients accumulated in an unfinished
@@ -374,11 +389,19 @@ def clip_tensor_norm_(param: Tensor, grad: Tensor, max_norm: float) -> None:
     piece.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
-def _refuse_outside(module: nn.Module, params: list[Tensor]) -> None:
-    """Across ranks, refuse plain ``params`` that ``module`` does not reduce: their step would see this
-    rank's gradient."""
+def _refuse_unreduced(module: Optional[nn.Module], params: list[Tensor]) -> None:
+    """Across ranks, refuse plain ``params`` whose step would see this rank's gradient alone: all of them
+    without ``module``, those outside it with it (DTensors are FSDP2's, which reduce-scatters them)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1):
+        return
+    if module is None:
+        if not all(is_dtensor(p) for p in params):
+            raise RuntimeError(
+                "step_in_backward needs the module that reduces the gradients across ranks: each param's step would "
+                "otherwise see this rank's gradient before the all-reduce. Pass module=<your DistributedDataParallel "
+                "model>, or use the ordinary optimizer.step()."
+            )
         return
     in_module = set(module.parameters())
     outside = [p for p in params if p not in in_module and not is_dtensor(p)]
@@ -439,17 +462,7 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
             "other ranks would step it and that one not, and the replicas would drift apart. Build DDP without it "
             "(DDP then reports a parameter left unused), or use the ordinary optimizer.step()."
         )
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
-                  and torch.distributed.get_world_size() > 1)
-    if module is None and multi_rank and not all(is_dtensor(p) for p in params):
-        raise RuntimeError(
-            "step_in_backward needs the module that reduces the gradients across ranks: each param's step would "
-            "otherwise see this rank's gradient before the all-reduce. Pass module=<your DistributedDataParallel "
-            "model>, or use the ordinary optimizer.step()."
-        )
-    if module is not None:
-        _refuse_outside(module, params)
+    _refuse_unreduced(module, [p for group in optimizer.param_groups for p in group["params"]])
     if optimizer._step_in_backward is not None:
         raise RuntimeError(
             "step_in_backward is already installed on this optimizer; call remove() on its handle before "

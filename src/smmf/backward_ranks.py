@@ -52,9 +52,11 @@ class ModuleSync:
     def __init__(self, handle: StepInBackward, module: nn.Module, params: set[Tensor]) -> None:
         self.handle, self.module = handle, module
         self.ddp = is_ddp(module)
-        # The optimizer's params whose step the DDP communication hook takes (their .grad holds this
-        # rank's gradient); the module's other params (another optimizer's) keep DDP's averaged gradient.
-        self.bucketed: set[Tensor] = {p for p in module.parameters() if p in params} if self.ddp else set()
+        # The params DDP reduces (its buckets'), and those of them that are the optimizer's, whose step the
+        # communication hook takes; the module's other params keep DDP's averaged gradient (another
+        # optimizer's) or their own (those DDP ignores or that were frozen: their own hooks step them).
+        self.reduced = _ddp_reduced(module) if self.ddp else set()
+        self.bucketed: set[Tensor] = self.reduced & params
         # Whether the backward of the last forward syncs, and so closes the window: decided at that
         # forward (DDP may all-reduce in its own end-of-backward callback, after the count has moved on).
         self.closes = handle.accumulation_steps == 1
@@ -72,9 +74,7 @@ class ModuleSync:
     def adopt(self, params: list[Tensor]) -> None:
         """Take ``params`` added to the optimizer after install (:meth:`~smmf.SMMF.add_param_group`): under
         DDP the communication hook steps those of the module, as those given at install."""
-        if self.ddp:
-            in_module = set(self.module.parameters())
-            self.bucketed |= {p for p in params if p in in_module}
+        self.bucketed |= self.reduced.intersection(params)
 
     def remove(self) -> None:
         """Unhook; DDP cannot drop a communication hook, so ours then averages as DDP's own does."""
@@ -119,6 +119,14 @@ class ModuleSync:
             for _, grad in grads:  # views of the bucket: only the stepped params' gradients become zeros
                 grad.zero_()
             return reduced
+
+
+def _ddp_reduced(ddp: Any) -> set[Tensor]:
+    """The params a DDP model reduces in its buckets: as DDP chose them when it was built, those that
+    required grad and are not in its ``parameters_to_ignore``. DDP keeps no list of them, so the choice is
+    made again here from the flags as they are now (DDP does not support changing them after it is built)."""
+    ignored: set[str] = getattr(ddp, "parameters_to_ignore", set())
+    return {p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored}
 
 
 def _comm_hook(sync: weakref.ref[ModuleSync], group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

@@ -17,8 +17,10 @@ from .dispatch import Kernel, step_kernel
 from .functional import StepConfig
 from .kernels import check_backend
 from .levels import step_salt
+from .matrix import packed_sign_bytes
 from .schedules import beta1_at, beta2_at
-from .sharding import bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, placed_like, shard_info
+from .sharding import (bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, placed_like, rows_from_flat,
+                       shard_info)
 from .state import (
     FLAG_M,
     MAGNITUDE_BITS,
@@ -537,7 +539,10 @@ class SMMF(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """As torch's, except the packed bits of FSDP2 shards: by rows of the parameter, placed like it
         (:func:`smmf.sharding.bits_for_checkpoint`), so ``torch.distributed.checkpoint`` loads them on
-        any number of ranks."""
+        any number of ranks. Under :func:`smmf.step_in_backward` the params unfrozen since its install get
+        their state first, as DCP's template step would make it in the ordinary loop."""
+        if self._step_in_backward is not None:
+            self._step_in_backward.make_missing_state()
         state_dict = super().state_dict()
         states = state_dict["state"] = dict(state_dict["state"])  # the entries stay the live state's
         for param, pid in self._saved_params(state_dict):
@@ -574,6 +579,11 @@ class SMMF(Optimizer):
                     except ValueError as err:
                         raise ValueError(f"parameter {pid}: state '{key}': {err}") from None
                     converted[pid] = {**converted[pid], key: value}
+                elif (info is not None and info.sharded and not is_dtensor(value)
+                      and value.numel() == packed_sign_bytes(param.numel())):
+                    # An unsharded run's flat packing (where smmf 0.2's per-rank layout has as many bytes, its
+                    # shards were byte-aligned and the two hold the same bytes, or this reading wins).
+                    converted[pid] = {**converted[pid], key: bits_from_checkpoint(rows_from_flat(value, param), param)}
                 elif info is not None and info.sharded and value.numel() != info.sign_bytes * info.world:
                     raise ValueError(
                         f"parameter {pid}: state '{key}' holds {value.numel()} bytes of bits laid out per rank "
@@ -600,6 +610,8 @@ class SMMF(Optimizer):
                 state_dict = result
         state_dict = self._bits_in_memory_layout(state_dict)
         param_of = self._check_loadable(state_dict)
+        # How each shard's state is placed (init_state refuses an unsupported placement: before the load).
+        made = {pid: init_state(param, options) for pid, (param, options) in param_of.items() if is_dtensor(param)}
         kept = [{key: group[key] for key in _OPTIONAL_KEYS} for group in self.param_groups]
         # torch's loader, without the hooks: they run here, around our restore.
         hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
@@ -618,9 +630,8 @@ class SMMF(Optimizer):
         for pid, saved in state_dict["state"].items():
             param, options = param_of[pid]
             state = self.state[param]
-            made = init_state(param, options) if is_dtensor(param) else {}  # how a shard's state is placed
             for key, spec in state_layout(param, options).items():
-                value = placed_like(saved[key], made[key]) if made else saved[key]
+                value = placed_like(saved[key], made[pid][key]) if pid in made else saved[key]
                 # Contiguous: the kernels index the 2-D state (the levels code's) as row-major.
                 state[key] = value.to(param.device, spec.dtype, copy=True, memory_format=torch.contiguous_format)
             state[STEP] = int(cast(Any, saved[STEP]))

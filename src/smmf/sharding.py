@@ -11,7 +11,8 @@ In a checkpoint the bits take a layout of their own (:func:`bits_for_checkpoint`
 per row of the parameter, placed ``Shard(0)`` like it, so ``torch.distributed.checkpoint`` reshards
 them with the parameter and a checkpoint saved on N ranks loads on any number of ranks of an FSDP2 model
 (a one-rank mesh too). An unsharded model's bits keep the flat packing in checkpoints, so DCP does not
-cross between the two; a full state dict does (:func:`bits_from_checkpoint`, :func:`placed_like`).
+cross between the two; a state dict of whole tensors does, either way (:func:`bits_from_checkpoint`,
+:func:`rows_from_flat`, :func:`placed_like`).
 """
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ def bits_for_checkpoint(bits: Tensor, param: Tensor) -> Tensor:
     flat = unpack_signs(local(bits), info.numel).view(info.numel // inner, inner)
     return DTensor.from_local(_pack_rows(flat, row_bytes), info.mesh, [Shard(0)], run_check=False,
                               shape=torch.Size([rows, row_bytes]), stride=(row_bytes, 1))
+
+
+def rows_from_flat(packed: Tensor, param: Tensor) -> Tensor:
+    """The flat packing of a whole tensor's bits (an unsharded run's checkpoint) in the layout by rows of
+    :func:`bits_for_checkpoint`, as a plain tensor of all the rows (for :func:`bits_from_checkpoint`)."""
+    rows, inner, row_bytes = _rows_geometry(param)
+    bits = unpack_signs(local(packed).contiguous(), rows * inner).view(rows, inner)
+    return _pack_rows(bits, row_bytes)
 
 
 def bits_from_checkpoint(saved: Tensor, param: Tensor) -> Tensor:
