@@ -51,7 +51,7 @@ def test_runs_of_several_folders_merge_once_each_in_order(tmp_path) -> None:
     assert [(r["optimizer"], r["seed"], r["code"]) for r in runs] == [
         ("adamw", 0, "aaa"), ("adamw", 1, "bbb"), ("smmf", 0, "aaa"), ("smmf", 1, "bbb")]
     table = (out / "results.md").read_text()
-    assert "runs kept from earlier commands: aaa, bbb" in table
+    assert "kept from earlier commands or started after a later commit: aaa, bbb" in table
     assert "| stdlib-lm | AdamW (torch) | 2 | held_out_loss | 2 ± 1.4 |" in table
     assert "| stdlib-lm | SMMF | 2 | held_out_loss | 3 ± 1.4 |" in table
 

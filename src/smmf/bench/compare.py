@@ -225,9 +225,11 @@ def _write(path: Path, text: str) -> None:
 
 
 def _commits(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
-    """The commit of this command, and of the runs kept from earlier ones (``--resume``) where they differ."""
-    earlier = sorted({r["code"] for r in results if r.get("code", meta["code"]) != meta["code"]})
-    return meta["code"] + (f" (runs kept from earlier commands: {', '.join(earlier)})" if earlier else "")
+    """The commit of this command, and the others its runs were made at: runs kept from earlier commands
+    (``--resume``), or started after a commit made while this one ran (each run loads the code as it starts)."""
+    others = sorted({r["code"] for r in results if r.get("code", meta["code"]) != meta["code"]})
+    return meta["code"] + (f" (runs at other commits, kept from earlier commands or started after a later commit: "
+                           f"{', '.join(others)})" if others else "")
 
 
 def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path, plots: bool = True) -> None:
