@@ -119,12 +119,24 @@ def test_checkpoints_are_interchangeable_both_ways_and_schedulers_drive_it() -> 
         assert torch.equal(p, q)
 
 
+def _dcp_resume(saver: torch.nn.Module, opt_saver: SMMF, loader: torch.nn.Module, opt_loader: SMMF, path: Path) -> None:
+    """Save ``saver`` and its optimizer through DCP and load them into ``loader``'s, as users do: a
+    template state dict of the loader, filled by DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(saver, opt_saver)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    model_sd, optim_sd = get_state_dict(loader, opt_loader)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(loader, opt_loader, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 @pytest.mark.parametrize("saved_in_backward", [False, True], ids=["ordinary-to-in-backward", "in-backward-to-ordinary"])
 def test_dcp_checkpoints_of_a_partly_frozen_model_cross_between_the_loops(tmp_path, saved_in_backward: bool) -> None:
     """A fine-tuning model with a frozen layer: DCP's template has state for the params that take
     gradients only, in either loop, so each loop's checkpoint loads into the other and continues its run."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     def make(in_backward: bool) -> tuple[torch.nn.Module, SMMF]:
         model = _cnn()
@@ -134,49 +146,30 @@ def test_dcp_checkpoints_of_a_partly_frozen_model_cross_between_the_loops(tmp_pa
             step_in_backward(opt)
         return model, opt
 
-    def train(model: torch.nn.Module, opt: SMMF, steps: range) -> None:
-        for step in steps:
-            _loss(model, step).backward()
-            opt.step()
-            opt.zero_grad()
-
     reference, opt_ref = make(False)
-    train(reference, opt_ref, range(4))
+    _ordinary(reference, opt_ref, range(4))  # (under the hooks its step() and zero_grad() do nothing)
     saver, opt_saver = make(saved_in_backward)
-    train(saver, opt_saver, range(2))
-    model_sd, optim_sd = get_state_dict(saver, opt_saver)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+    _ordinary(saver, opt_saver, range(2))
     loader, opt_loader = make(not saved_in_backward)
-    model_sd, optim_sd = get_state_dict(loader, opt_loader)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=tmp_path)
-    set_state_dict(loader, opt_loader, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _dcp_resume(saver, opt_saver, loader, opt_loader, tmp_path)
     assert loader[0].weight not in opt_loader.state  # a frozen param has no state, in either loop
-    train(loader, opt_loader, range(2, 4))
+    _ordinary(loader, opt_loader, range(2, 4))
     assert _same(reference, loader)
 
 
 def test_dcp_checkpoint_loads_into_a_run_that_unfroze_a_param_after_install(tmp_path) -> None:
     """DCP makes a template's state only for an optimizer without any: a param unfrozen after the hooks
     were installed gets its state from ``state_dict()``, so the checkpoint's state for it is loaded."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     reference, saver = _cnn(), _cnn()
     opt_ref, opt_saver = SMMF(reference.parameters(), lr=1e-2), SMMF(saver.parameters(), lr=1e-2)
     _ordinary(reference, opt_ref, range(4))
     _ordinary(saver, opt_saver, range(2))
-    model_sd, optim_sd = get_state_dict(saver, opt_saver)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
     loader = _cnn()
     loader[0].requires_grad_(False)
     opt_loader = SMMF(loader.parameters(), lr=1e-2)
     step_in_backward(opt_loader)
     loader[0].requires_grad_(True)  # unfrozen after install, before the resume
-    model_sd, optim_sd = get_state_dict(loader, opt_loader)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=tmp_path)
-    set_state_dict(loader, opt_loader, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _dcp_resume(saver, opt_saver, loader, opt_loader, tmp_path)
     _fused(loader, opt_loader, range(2, 4))
     assert _same(reference, loader)
 
