@@ -96,6 +96,27 @@ def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     finish()
 
 
+def ddp_bf16_rounding_worker(rank: int, world: int, port: int, out: str, in_backward: bool, backend: str) -> None:
+    """bf16 weights rounded stochastically under DDP, each rank's generator seeded apart and drawing apart
+    between steps (as scripts seed per rank for data and dropout): each rank's params after STEPS steps."""
+    from smmf import step_in_backward
+
+    init(rank, world, port)
+    model = nn.parallel.DistributedDataParallel(make_net().bfloat16())
+    torch.manual_seed(1000 + rank)
+    opt = optimizer(model.parameters(), stochastic_rounding=True, backend=backend)
+    if in_backward:
+        step_in_backward(opt, module=model)
+    for step in range(STEPS):
+        x, tokens, y = (t.chunk(world)[rank] for t in batch(step))
+        nn.functional.mse_loss(model(x.bfloat16(), tokens), y.bfloat16()).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.rand(rank + 1)
+    torch.save([p.detach() for p in model.module.parameters()], Path(out) / f"bf16-{rank}.pt")
+    finish()
+
+
 def _sharded_net(world: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -36,6 +36,19 @@ def test_ddp_matches_single_process(tmp_path) -> None:
         torch.testing.assert_close(p0, ps, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("in_backward,backend", [(False, "torch"), (False, "auto"), (True, "auto")],
+                         ids=["loop-torch", "loop-auto", "in-backward-auto"])
+def test_ddp_replicas_round_bf16_alike_whatever_each_ranks_seed(tmp_path, in_backward: bool, backend: str) -> None:
+    """The rounding noise is a hash of the step, the param's place and the element's index, not a draw from
+    each rank's generator: replicas seeded apart stay equal bit for bit (they drifted apart, 2e-3 in 3 steps)."""
+    _spawn(dist_workers.ddp_bf16_rounding_worker, tmp_path, in_backward, backend)
+    ranks = [torch.load(tmp_path / f"bf16-{r}.pt") for r in range(WORLD)]
+    start = dist_workers.make_net().bfloat16()
+    for p0, p1, p_start in zip(*ranks, start.parameters()):
+        assert torch.equal(p0, p1)
+        assert not torch.equal(p0, p_start.detach())  # it trained
+
+
 # Beyond the paper: M in its natural shape (whole rows of a Shard(0) shard) with the magnitude flag,
 # and the flag on the square view (partial rows).
 FSDP2_OPTIONS = {"paper": {}, "natural+flag": dict(momentum_shape="natural", magnitude_bits=1),

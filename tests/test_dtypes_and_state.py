@@ -43,10 +43,10 @@ def test_fp16_tiny_gradients_do_not_underflow_eps() -> None:
 def test_stochastic_rounding_is_unbiased() -> None:
     target = torch.full((20000,), 1.0 + 2.0**-10, dtype=torch.float32)  # 1/8 ulp of bf16 above 1
     nearest = torch.empty(20000, dtype=torch.bfloat16)
-    write_back_(nearest, target, stochastic_rounding=False)
+    write_back_(nearest, target, rounding_key=None)
     assert torch.equal(nearest.float(), torch.ones(20000))
     rounded = torch.empty(20000, dtype=torch.bfloat16)
-    write_back_(rounded, target, stochastic_rounding=True)
+    write_back_(rounded, target, rounding_key=12345)
     assert set(rounded.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
     assert abs(rounded.float().mean().item() - target[0].item()) < 2e-4
 
@@ -71,7 +71,7 @@ _NUMBA = "numba" in __import__("smmf.kernels", fromlist=["x"]).available_backend
 
 def _rounded_bf16_run(seed: int, shape: tuple[int, ...], steps: int = 3, **options) -> torch.Tensor:
     """bf16 weights after ``steps`` stochastically rounded steps: the same weights and gradients whatever
-    ``seed``, which seeds torch's generator (the rounding noise's) only."""
+    ``seed``, which seeds torch's generator only (and it draws between steps, as dropout would)."""
     data = torch.Generator().manual_seed(123)
     w = torch.nn.Parameter(torch.randn(*shape, generator=data).bfloat16())
     grads = [torch.randn(*shape, generator=data).bfloat16() for _ in range(steps)]
@@ -80,19 +80,54 @@ def _rounded_bf16_run(seed: int, shape: tuple[int, ...], steps: int = 3, **optio
     for grad in grads:
         w.grad = grad
         opt.step()
+        torch.rand(seed + 1)
     return w.detach().view(torch.int16).clone()
 
 
-@pytest.mark.skipif(not _NUMBA, reason="no numba")
+_BACKENDS = ["torch"] + (["numba"] if _NUMBA else [])
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
 @pytest.mark.parametrize("code", [{}, {"magnitude_bits": 1}, {"magnitude_bits": 3}], ids=["paper", "flag", "levels"])
 @pytest.mark.parametrize("shape", [(40, 24), (300, 300)], ids=["serial", "parallel"])
-def test_numba_stochastic_rounding_follows_torch_seed(code: dict, shape: tuple[int, int]) -> None:
-    """As on the torch and Triton paths, torch.manual_seed decides the rounding noise: a run repeats bit for
-    bit (in any process: a resume that restores torch's RNG state is exact), and another seed rounds
-    otherwise."""
-    first = _rounded_bf16_run(0, shape, backend="numba", **code)
-    assert torch.equal(first, _rounded_bf16_run(0, shape, backend="numba", **code))
-    assert not torch.equal(first, _rounded_bf16_run(1, shape, backend="numba", **code))
+def test_stochastic_rounding_is_decided_by_the_step_not_torch_seed(backend: str, code: dict,
+                                                                   shape: tuple[int, int]) -> None:
+    """The noise is a hash of the step, the param's place and the element's index (``smmf.levels.rounding_key``):
+    runs under other seeds, whose generators draw otherwise between steps, round bit for bit alike (DDP replicas
+    seeded per rank stay equal; a resume is exact without torch's RNG state), and the step leaves torch's
+    generator as it was."""
+    first = _rounded_bf16_run(0, shape, backend=backend, **code)
+    assert torch.equal(first, _rounded_bf16_run(1, shape, backend=backend, **code))
+    w = torch.nn.Parameter(torch.randn(*shape).bfloat16())
+    opt = SMMF([w], lr=1e-3, stochastic_rounding=True, backend=backend, **code)
+    w.grad = torch.randn_like(w)
+    before = torch.get_rng_state()
+    opt.step()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.skipif(not _NUMBA, reason="no numba")
+@pytest.mark.parametrize("code", [{}, {"magnitude_bits": 3}], ids=["paper", "levels"])
+def test_numba_rounds_bf16_with_the_torch_paths_noise(code: dict) -> None:
+    """An update every path computes exactly (1 − 2⁻⁹, half a bf16 ulp below 1: with β1 = 0, M = G = 1 and
+    V = G² = 1 at the first step), rounded by both paths: the same bits, each param by its own key (the two
+    params round apart), as ``write_back_`` rounds it with ``rounding_key(1, ordinal)``."""
+    from smmf.levels import rounding_key
+
+    runs = {}
+    for backend in ("torch", "numba"):
+        params = [torch.nn.Parameter(torch.ones(64, 48, dtype=torch.bfloat16)) for _ in range(2)]
+        opt = SMMF(params, lr=2.0**-9, beta=0.0, stochastic_rounding=True, backend=backend, **code)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        runs[backend] = [p.detach().clone() for p in params]
+    for ordinal, (p_torch, p_numba) in enumerate(zip(runs["torch"], runs["numba"])):
+        expected = torch.empty_like(p_torch)
+        write_back_(expected, torch.full(p_torch.shape, 1 - 2.0**-9), rounding_key(1, ordinal))
+        assert torch.equal(p_torch, expected) and torch.equal(p_numba, expected), ordinal
+        assert 0.3 < (p_torch != 1).float().mean().item() < 0.7
+    assert not torch.equal(runs["torch"][0], runs["torch"][1])
 
 
 @pytest.mark.skipif(not _NUMBA, reason="no numba")

@@ -345,8 +345,8 @@ def test_recommended_options_leave_a_group_with_another_code_as_it_is() -> None:
 
 
 def test_a_params_salt_copies_the_config_as_replace_does() -> None:
-    """Each param of a dithered group takes its own salt at every step: ``with_salt`` copies the config as
-    ``dataclasses.replace`` would, leaving the group's as it was."""
+    """Each param of a dithered or stochastically rounded group takes its own salt and rounding key at every
+    step: ``for_param`` copies the config as ``dataclasses.replace`` would, leaving the group's as it was."""
     from dataclasses import fields, replace
 
     from smmf.functional import StepConfig
@@ -354,10 +354,14 @@ def test_a_params_salt_copies_the_config_as_replace_does() -> None:
 
     cfg = StepConfig(lr=1e-3, beta1=0.9, beta2=0.5, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=False,
                      maximize=True, stochastic_rounding=True, code=MomentumCode.LEVELS, zero_nonfinite=False,
-                     levels_salt=3)
-    for salt in (7, None):
-        salted = cfg.with_salt(salt)
-        assert salted == replace(cfg, levels_salt=salt) and hash(salted) == hash(replace(cfg, levels_salt=salt))
-        assert [getattr(salted, f.name) for f in fields(cfg) if f.name != "levels_salt"] == [
-            getattr(cfg, f.name) for f in fields(cfg) if f.name != "levels_salt"]
+                     levels_salt=3, rounding_key=5)
+    own = ("levels_salt", "rounding_key")
+    for salt, key in ((7, 11), (None, 0)):
+        salted = cfg.for_param(salt, key)
+        expected = replace(cfg, levels_salt=salt, rounding_key=key)
+        assert salted == expected and hash(salted) == hash(expected)
+        assert (salted.levels_salt, salted.rounding_key) == (salt, key)
+        assert [getattr(salted, f.name) for f in fields(cfg) if f.name not in own] == [
+            getattr(cfg, f.name) for f in fields(cfg) if f.name not in own]
+    assert cfg.rounding_key == 5
     assert cfg.levels_salt == 3

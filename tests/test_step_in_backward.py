@@ -74,6 +74,22 @@ def test_equals_the_ordinary_loop_bit_for_bit(backend: str, make_model, options:
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b.state[q][key])), key
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_stochastic_rounding_equals_the_ordinary_loop_bit_for_bit(backend: str) -> None:
+    """bf16 weights rounded stochastically: the step inside backward steps the params in another order than the
+    loop, and draws the same noise (it was drawn from torch's generator, in the order of the steps)."""
+    ordinary, fused = _transformer().bfloat16(), _transformer().bfloat16()
+    opt_a = SMMF(ordinary.parameters(), lr=1e-2, stochastic_rounding=True, backend=backend)
+    opt_b = SMMF(fused.parameters(), lr=1e-2, stochastic_rounding=True, backend=backend)
+    step_in_backward(opt_b)
+    _ordinary(ordinary, opt_a, range(5))
+    _fused(fused, opt_b, range(5))
+    start = _transformer().bfloat16()
+    for p, q, p0 in zip(ordinary.parameters(), fused.parameters(), start.parameters()):
+        assert torch.equal(p, q)
+    assert sum(not torch.equal(p, p0) for p, p0 in zip(ordinary.parameters(), start.parameters())) > 10
+
+
 def test_checkpoints_are_interchangeable_both_ways_and_schedulers_drive_it() -> None:
     reference, fused, ordinary = _cnn(), _cnn(), _cnn()
     opt_ref = SMMF(reference.parameters(), lr=1e-2)

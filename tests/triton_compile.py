@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 from smmf.kernels.triton_gpu import finish, levels, step, table
 
 STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", words_ptr="*i32", bad_ptr="*i32",
-                 lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", gsign="fp32", shrink="fp32", l2="fp32", seed="i32")
+                 lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", gsign="fp32", shrink="fp32", l2="fp32", keys_ptr="*i64")
 SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", beta1="fp32", gsign="fp32",
                  shrink="fp32", l2="fp32")
 FINISH_ARGS = dict(meta_ptr="*i64", partial_ptr="*fp32", words_ptr="*i32")
@@ -31,7 +31,7 @@ TILES = dict(BR=table.BLOCK_ROWS, BC=table.BLOCK_COLS, BAND=table.BAND_ROWS)
 _LEVELS_SCALARS = dict(beta2="fp32", rest2="fp32", gsign="fp32", shrink="fp32", l2="fp32")
 LEVELS_V_SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", **_LEVELS_SCALARS)
 LEVELS_STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", salts_ptr="*i64", bad_ptr="*i32", lr="fp32",
-                        beta1="fp32", rest1="fp32", eps="fp32", seed="i32", **_LEVELS_SCALARS)
+                        beta1="fp32", rest1="fp32", eps="fp32", keys_ptr="*i64", **_LEVELS_SCALARS)
 # Options a kernel is launched with beyond its warps.
 LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS,
                   step.step_kernel: dict(maxnreg=table.MAX_REGISTERS) if table.MAX_REGISTERS else {}}

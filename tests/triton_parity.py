@@ -16,7 +16,7 @@ import triton.language as tl
 from smmf.functional import StepConfig, decompress_momentum, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
 from smmf.kernels.triton_gpu.tiles import bf16_rounded
-from smmf.levels import _mix32, step_salt
+from smmf.levels import _mix32, rounding_key, step_salt
 from smmf.matrix import unpack_signs
 from smmf.schedules import beta1_at, beta2_at
 from smmf.state import MomentumCode, init_state, momentum_code, real_view
@@ -434,17 +434,23 @@ def run_bf16_rounding(device: str) -> None:
     assert means[torch.float32] < 0.999
     assert abs(means[torch.bfloat16] - means[torch.float32]) < 2e-4  # ~8 standard deviations of the mean
 
-    # Two equal tensors in one launch: element k of the second is not rounded as element k + 1 of the first
-    # (their keys are hashed, not the launch's seed + 0 and + 1).
+    # Two equal tensors in one launch, each rounded by its own key (keys[t]), bit for bit as the torch path
+    # rounds it with that key.
     from smmf.kernels.triton_gpu import triton_steps_
 
     pair = [torch.ones(64, 64, dtype=torch.bfloat16, device=device) for _ in range(2)]
     cfg = StepConfig(lr=2.0**-9, beta1=None, beta2=0.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
                      maximize=False, stochastic_rounding=True, code=MomentumCode.SIGN)  # half an ulp below 1
-    triton_steps_([(q, torch.ones_like(q), init_state(q, {"beta": None, "vector_reshape": True}), cfg) for q in pair])
+    configs = [cfg.for_param(None, key) for key in (12345, 2**32 - 7)]
+    triton_steps_([(q, torch.ones_like(q), init_state(q, {"beta": None, "vector_reshape": True}), c)
+                   for q, c in zip(pair, configs)])
+    for q, c in zip(pair, configs):
+        expected = torch.ones_like(q)
+        torch_step_(expected, torch.ones_like(q), init_state(q, {"beta": None, "vector_reshape": True}), c)
+        assert torch.equal(q, expected)
     first, second = (q.reshape(-1) for q in pair)
     assert 0.2 < (first != 1).float().mean().item() < 0.8
-    assert not torch.equal(second[:-1], first[1:])
+    assert not torch.equal(second, first)
     print(f"{device} bf16 stochastic rounding: the hash of the index, unbiased, tensors apart: OK")
 
 
@@ -483,7 +489,7 @@ def run_levels_batched(device: str) -> None:
                               code=MomentumCode.LEVELS)
             launches.clear()
             _steps_against_torch(device, params, grads, states,
-                                 [base.with_salt(step_salt(step, i)) for i in range(len(params))], gen, same)
+                                 [base.for_param(step_salt(step, i), 0) for i in range(len(params))], gen, same)
             assert len(launches) == 2, (step, len(launches))  # fp32 (the complex param's real view too), bf16
             assert len(host._PLANS) == 1, (step, len(host._PLANS))
     finally:
@@ -526,13 +532,9 @@ def run_levels_shards(device: str) -> None:
     cut mid-row, an empty piece), their raw V sums added up, equal the kernels' step of the whole param:
     weights, codes and scales bit for bit (both read the old factors), V's factors up to summation order;
     dithered, a piece draws by its elements' index in the whole param; so do bf16 weights rounded
-    stochastically, each launch drawing the same seed."""
+    stochastically."""
     from helpers import levels_step_in_pieces
     from smmf.kernels.triton_gpu import triton_shard_step_
-
-    def seeded_shard_step(*args):
-        torch.manual_seed(11)  # the seed each launch draws for bf16 stochastic rounding
-        triton_shard_step_(*args)
 
     gen = torch.Generator().manual_seed(8)
     for shape in [(48, 64), (31, 9), (257, 33), (40, 600)]:
@@ -544,12 +546,12 @@ def run_levels_shards(device: str) -> None:
             for step in range(1, 3):
                 cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
                                  decoupled_weight_decay=step == 1, maximize=False, stochastic_rounding=rounded,
-                                 code=MomentumCode.LEVELS, levels_salt=step_salt(step) if dither else None)
+                                 code=MomentumCode.LEVELS, levels_salt=step_salt(step) if dither else None,
+                                 rounding_key=rounding_key(step, 3) if rounded else 0)
                 g = torch.randn(shape, generator=gen).to(device, p.dtype)
                 whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-                torch.manual_seed(11)
                 triton_step_(whole, g, whole_state, cfg)
-                flat = levels_step_in_pieces(seeded_shard_step, p, g, state, cfg, cuts)
+                flat = levels_step_in_pieces(triton_shard_step_, p, g, state, cfg, cuts)
                 assert torch.equal(flat, whole.reshape(-1)), (shape, dither, step)
                 for key in ("codes_m", "scales_m"):
                     assert torch.equal(state[key], whole_state[key]), (shape, key)

@@ -111,16 +111,16 @@ def _local_step_(param: Tensor, info: ShardInfo, weight: Tensor, local_grad: Ten
                  cfg: StepConfig) -> Nonfinite:
     """:func:`sharded_step_` on the local tensors of ``param`` (whose ``info`` is given)."""
     if cfg.code is MomentumCode.DENSE or not info.sharded:  # elementwise, or every rank holds it all
-        return torch_step_(weight, local_grad, local_state, cfg)
+        return torch_step_(weight, local_grad, local_state, cfg, first=info.start)
     group = info.mesh.get_group()
     if cfg.code is MomentumCode.LEVELS and param.dim() < 2:  # one row, cut anywhere: step it whole
         gather = partial(_gather_vector, total=param.numel(), world=info.world, group=group)
         own = slice(info.start, info.start + info.numel)
-        return torch_step_(weight, local_grad, local_state, cfg,
+        return torch_step_(weight, local_grad, local_state, cfg, first=info.start,
                            matrix_update=lambda g, st, c: _whole_matrix_update(gather(g), st, c)[own])
     rows, cols = matrix_shape(param)
     band = Band.of_range(rows, cols, info.start, info.numel)
-    return torch_step_(weight, local_grad, local_state, cfg,
+    return torch_step_(weight, local_grad, local_state, cfg, first=info.start,
                        matrix_update=partial(band_update, band=band, reduce=_all_reduce_on(group)))
 
 
@@ -166,7 +166,7 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
         local_state = {key: local(value) for key, value in state.items()}
         weight, local_grad = local(param), local(grad)
         if cfg.code is MomentumCode.DENSE:  # elementwise: the torch path
-            found.append(torch_step_(weight, local_grad, local_state, cfg))
+            found.append(torch_step_(weight, local_grad, local_state, cfg, first=info.start))
         elif cfg.code is MomentumCode.LEVELS and info.sharded and param.dim() < 2:  # a vector: stepped whole
             vectors.append(_Vector(info, param.numel(), (weight, local_grad, local_state, cfg)))
         elif not info.sharded:  # every rank holds it all

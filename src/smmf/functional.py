@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from .levels import decode_levels, encode_levels
+from .levels import counter_hash, decode_levels, encode_levels
 from .matrix import factor_sum_cap, nnmf_from_sums, pack_signs, unpack_signs
 from .state import (
     CODES_M,
@@ -60,12 +60,14 @@ class StepConfig:
     code: MomentumCode  # how the param's state stores M and V (smmf.state.momentum_code)
     zero_nonfinite: bool = True  # NaN/inf gradient elements count as 0 (else they propagate)
     levels_salt: Optional[int] = None  # the levels code under stochastic rounding: this step's salt (smmf.levels)
+    rounding_key: int = 0  # bf16 stochastic rounding: this param's key at this step (smmf.levels.rounding_key)
 
-    def with_salt(self, salt: Optional[int]) -> StepConfig:
-        """This config with ``levels_salt=salt``: what ``dataclasses.replace`` makes, in a fifth of its time
-        (each param of a dithered group takes its own salt at every step, so this is paid per param)."""
+    def for_param(self, levels_salt: Optional[int], rounding_key: int) -> StepConfig:
+        """This config with one param's own ``levels_salt`` and ``rounding_key``: what ``dataclasses.replace``
+        makes, in a fifth of its time (each param of a dithered or stochastically rounded group takes its own
+        at every step, so this is paid per param)."""
         config = object.__new__(type(self))
-        config.__dict__.update(self.__dict__, levels_salt=salt)
+        config.__dict__.update(self.__dict__, levels_salt=levels_salt, rounding_key=rounding_key)
         return config
 
     def folded(self) -> tuple[float, float, float]:
@@ -80,13 +82,15 @@ class StepConfig:
 
 
 def torch_step_(
-    param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, matrix_update: Optional[MatrixUpdate] = None
+    param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, matrix_update: Optional[MatrixUpdate] = None,
+    first: int = 0,
 ) -> int:
     """Update ``param`` and its ``state`` in place (``state['step']`` already advanced); return the
     number of NaN/inf gradient elements that were treated as zero (``cfg.zero_nonfinite``).
 
     ``matrix_update`` replaces the whole-matrix update: :mod:`smmf.distributed` passes the one of a
-    shard's band of rows.
+    shard's band of rows. ``first``: the index of ``param``'s first element in its whole parameter (an
+    FSDP2 shard's), by which its elements draw their rounding noise.
     """
     weight = real_view(param)
     # Logical row-major order: channels_last and other strided params are copied once.
@@ -98,7 +102,7 @@ def torch_step_(
         update = (matrix_update or _whole_matrix_update)(g.view(-1), state, cfg)
     work.add_(update.view_as(work), alpha=-cfg.lr)
     if work is not weight:
-        write_back_(weight, work, cfg.stochastic_rounding)
+        write_back_(weight, work, cfg.rounding_key if cfg.stochastic_rounding else None, first)
     return nonfinite
 
 
@@ -236,12 +240,17 @@ def store_factors_(state: dict[str, Any], row_key: str, col_key: str, row_sums: 
     state[col_key].copy_(cols)
 
 
-def write_back_(dst: Tensor, src: Tensor, stochastic_rounding: bool) -> None:
-    """Write fp32 ``src`` into ``dst``; bf16 ``dst`` may use stochastic rounding."""
-    if stochastic_rounding and dst.dtype == torch.bfloat16 and src.dtype == torch.float32:
-        bits = src.view(torch.int32)
-        noise = torch.randint_like(bits, 0, 1 << 16)
-        # Adding uniform noise below the kept 16 bits, then truncating, rounds up with
-        # probability equal to the dropped fraction; the truncated value is exact in bf16.
-        src = bits.add(noise).bitwise_and_(-65536).view(torch.float32)
+def write_back_(dst: Tensor, src: Tensor, rounding_key: Optional[int], first: int = 0) -> None:
+    """Write fp32 ``src`` into ``dst``; into bf16 rounded stochastically when ``rounding_key`` is given (else
+    to nearest even). Element i (``first + i`` of its param) adds the top 16 bits of
+    ``mix32((rounding_key + first + i) mod 2³²)`` (:func:`smmf.levels.counter_hash`) below the 16 bits bf16
+    keeps, then truncates: it rounds up with the probability of the dropped fraction, with the noise every
+    fused kernel draws."""
+    if rounding_key is not None and dst.dtype == torch.bfloat16 and src.dtype == torch.float32:
+        noise = counter_hash(rounding_key, first, src.numel(), src.device).view(src.shape)
+        noise >>= 16
+        # In int32 lanes a finite or infinite value's bits plus the noise cannot wrap; a NaN could become
+        # an infinity once truncated, so NaN is kept as it is.
+        rounded = src.view(torch.int32).add(noise.to(torch.int32)).bitwise_and_(-65536).view(torch.float32)
+        src = torch.where(src.isnan(), src, rounded)
     dst.copy_(src)

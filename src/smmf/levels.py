@@ -21,7 +21,8 @@ with the probability its size gives, where nearest rounding sets it to 0 at ever
 never build a small coordinate's momentum, and at a high learning rate the code trails the dense M by 4–7%
 (``docs/high-lr.md``). ``u`` is a counter-based hash of the element's index in its param and a salt
 (:func:`step_salt`: the step and the param's position in the optimizer), the same on every path and every
-rank, so a run is reproducible and resumes exactly.
+rank, so a run is reproducible and resumes exactly. The same hash, keyed apart (:func:`rounding_key`), is the
+noise of every path's bf16 stochastic rounding of the weights (``stochastic_rounding=True``).
 
 Storage: ``codes`` uint8 (rows, ⌈cols/2⌉), two 4-bit codes per byte (the even column in the low nibble),
 a code being ``j | 8·[M < 0]``; ``scales`` bf16 (rows, ⌈cols/BLOCK⌉). Whatever M holds, the stored code
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "SEVENTH", "levels_shape", "levels_rows_cols", "codes_shape", "scales_shape", "encode_levels",
-           "decode_levels", "step_salt", "dither", "DITHER_MULTIPLIERS", "DITHER_BITS"]
+           "decode_levels", "step_salt", "rounding_key", "counter_hash", "dither", "DITHER_MULTIPLIERS", "DITHER_BITS"]
 
 BLOCK = 128  # elements of a row that share a scale
 TOP_LEVEL = 7  # levels j = 0 .. 7: magnitudes j/7 of the block's scale (3 bits)
@@ -50,6 +51,7 @@ SEVENTH = 1 / TOP_LEVEL  # a level's step is scale · SEVENTH (SEVENTH rounded t
 DITHER_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 DITHER_BITS = 24
 _MASK32 = 0xFFFFFFFF
+_ROUNDING_DOMAIN = 0x2545F491  # keys the weights' rounding noise apart from the dither (rounding_key)
 
 
 def _mix32(x: Any) -> Any:
@@ -72,13 +74,28 @@ def step_salt(step: int, ordinal: int = 0) -> int:
     return _mix32((_mix32(step & _MASK32) + _mix32(ordinal & _MASK32)) & _MASK32)
 
 
-def dither(salt: int, first: int, count: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``u`` in [0, 1) for the elements ``first .. first + count`` of a param's row-major flattening:
-    ``mix32((salt + index) mod 2³²) >> 8``, times 2⁻²⁴."""
+def rounding_key(step: int, ordinal: int = 0) -> int:
+    """The key of the bf16 stochastic rounding noise of the optimizer's ``ordinal``-th parameter at ``step``:
+    :func:`step_salt` hashed once more, so that a weight's rounding and its levels' dither draw apart. A
+    function of the step and the param's place alone, as the dither's salt: replicas round alike whatever
+    each rank's random seed (DDP), the step inside backward rounds as the loop, and a resume rounds as the
+    uninterrupted run without restoring torch's generator."""
+    return _mix32(step_salt(step, ordinal) ^ _ROUNDING_DOMAIN)
+
+
+def counter_hash(salt: int, first: int, count: int, device: torch.device) -> Tensor:
+    """``mix32((salt + index) mod 2³²)`` for the elements ``first .. first + count`` of a param's row-major
+    flattening, int64 (the hash every path computes in its own lanes)."""
     x = torch.arange(first, first + count, dtype=torch.int64, device=device)
     x += salt
     x &= _MASK32
-    x = _mix32(x)  # in place: one int64 temporary beside x at a time
+    return _mix32(x)  # in place: one int64 temporary beside x at a time
+
+
+def dither(salt: int, first: int, count: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``u`` in [0, 1) for the elements ``first .. first + count`` of a param's row-major flattening:
+    ``mix32((salt + index) mod 2³²) >> 8``, times 2⁻²⁴."""
+    x = counter_hash(salt, first, count, device)
     x >>= 32 - DITHER_BITS
     return x.to(dtype).mul_(2.0 ** -DITHER_BITS)
 

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from .dispatch import Kernel, step_kernel
 from .functional import StepConfig
 from .kernels import check_backend
-from .levels import step_salt
+from .levels import rounding_key, step_salt
 from .matrix import packed_sign_bytes
 from .schedules import beta1_at, beta2_at
 from .sharding import (bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, placed_like, rows_from_flat,
@@ -278,8 +278,9 @@ class SMMF(Optimizer):
             use a coefficient ~1000–2000× smaller) (default: ``"adamw"``).
         maximize: maximize the objective instead of minimizing it (default: False).
         stochastic_rounding: round bf16 parameters stochastically when writing the update
-            back, with noise that torch's generator decides on every path (``torch.manual_seed``;
-            under DDP seed every rank alike, or the replicas drift apart) (default: False).
+            back, with noise that the step and the param's place in the optimizer decide, the same
+            on every path and rank (:func:`smmf.levels.rounding_key`): DDP replicas stay equal and
+            a resume is exact; torch's generator is left alone (default: False).
         nonfinite_grads: what a NaN or ±inf gradient element does. ``"zero"``: it counts as a zero
             gradient for that element alone (its moments decay, the rest of the tensor is updated
             as usual) and a warning is issued once; ``"propagate"``: it flows into the update as in
@@ -464,8 +465,10 @@ class SMMF(Optimizer):
                 state[STEP] += 1
                 key = (id(group), state[STEP], code)
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))
-                if cfg.levels_salt is not None:  # each param draws its own dither
-                    cfg = cfg.with_salt(step_salt(state[STEP], ordinal))
+                rounded = cfg.stochastic_rounding and param.dtype == torch.bfloat16
+                if cfg.levels_salt is not None or rounded:  # each param draws its own dither and rounding noise
+                    cfg = cfg.for_param(None if cfg.levels_salt is None else step_salt(state[STEP], ordinal),
+                                        rounding_key(state[STEP], ordinal) if rounded else 0)
                 if not kernel.batched:
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()

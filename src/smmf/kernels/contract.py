@@ -19,20 +19,10 @@ from torch import Tensor
 from ..functional import Nonfinite, StepConfig
 from ..state import MomentumCode, real_view
 
-__all__ = ["Backend", "Coverage", "FlagPass", "StepItem", "rounding_seed"]
+__all__ = ["Backend", "Coverage", "FlagPass", "StepItem"]
 
 # One tensor's step: (param, grad, state, cfg); ``state['step']`` already advanced.
 StepItem = tuple[Tensor, Tensor, dict[str, Any], StepConfig]
-
-
-def rounding_seed(dtype: torch.dtype, cfg: StepConfig) -> int:
-    """The seed of a launch's bf16 stochastic rounding noise (each element's is a hash of it and the element's
-    index), drawn from torch's generator as the torch path draws its noise: ``torch.manual_seed`` decides it, and
-    a resumed run that restores torch's RNG state rounds as the uninterrupted one. 0, drawing nothing, where
-    nothing is rounded stochastically (fp32 and fp16 weights leave the user's random stream alone)."""
-    if cfg.stochastic_rounding and dtype == torch.bfloat16:
-        return int(torch.randint(0, 2**30, ()).item())
-    return 0
 
 
 class FlagPass(NamedTuple):

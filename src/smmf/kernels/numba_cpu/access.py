@@ -58,9 +58,9 @@ def load(src, start, length, buf):
 def store(dst, start, row, sr, noise_base):
     """Write a loaded row back: nothing for fp32/fp64 (it lives in ``dst``); bf16 rounds to
     nearest even, or stochastically with ``sr``: element j adds the top 16 bits of
-    :func:`hash32_at` (``noise_base``, j) below its kept bits (``noise_base``: the launch's seed,
-    :func:`smmf.kernels.contract.rounding_seed`, plus the row's first index in the param, so that the noise
-    follows torch's generator and no two elements of a tensor's step share it, a shard's included)."""
+    :func:`hash32_at` (``noise_base``, j) below its kept bits (``noise_base``: the tensor's key at this
+    step, :func:`smmf.levels.rounding_key`, plus the row's first index in the param, so that no two elements
+    of a tensor's step share it, a shard's included, and every path draws the same noise)."""
     raise NotImplementedError("compiled only")
 
 

@@ -65,7 +65,7 @@ class Options(NamedTuple):
     sr: bool  # stochastic rounding of bf16 weights
     zero_bad: bool  # NaN/inf gradient elements count as 0 (and are counted)
     whole: bool  # the whole matrix: normalize the factors here (else leave this piece's raw sums)
-    sr_seed: int  # under sr, this launch's seed of the rounding noise (contract.rounding_seed; else 0)
+    sr_seed: int  # under sr, the tensor's key of the rounding noise at this step (StepConfig.rounding_key)
 
 
 class Moments(NamedTuple):

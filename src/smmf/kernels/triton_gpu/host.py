@@ -13,7 +13,7 @@ from ...functional import StepConfig
 from ...levels import levels_rows_cols
 from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
                       momentum_cols, real_view)
-from ..contract import FlagPass, StepItem, rounding_seed
+from ..contract import FlagPass, StepItem
 from .finish import finish_kernel, flag_finish_kernel
 from .levels import BLOCKS_PER_PROGRAM, LAUNCH_OPTIONS, STEP_WARPS, levels_step_kernel, v_sums_kernel
 from .step import momentum_sums_kernel, step_kernel
@@ -62,8 +62,9 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
         return None
     bad = torch.zeros(1, dtype=torch.int32, device=items[0][0].device)
     for group, indices in plan.groups:
-        _run(group, items[indices[0]][3], bad,
-             salts=_salts([items[i][3] for i in indices], group.meta.device) if group.levels else None)
+        configs = [items[i][3] for i in indices]
+        _run(group, configs[0], bad, salts=_salts(configs, group.meta.device) if group.levels else None,
+             keys=_keys(group, configs))
     for weight, g, copy_of in views or ():
         if copy_of is not None:
             copy_of.copy_(weight)
@@ -179,7 +180,7 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     if cfg.code is MomentumCode.LEVELS and weight.numel():  # the shard's own rows of M: its own code, V's raw sums
         group = _prepare_levels([(weight, grad, state)], [start], weight.dtype,
                                 cfg.stochastic_rounding and weight.dtype == torch.bfloat16, normalize=False)
-        _run(group, cfg, bad, salts=_salts([cfg], weight.device))
+        _run(group, cfg, bad, salts=_salts([cfg], weight.device), keys=_keys(group, [cfg]))
     elif weight.numel():
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
         m_cols = momentum_cols(state, m)
@@ -189,7 +190,7 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
                          dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
                          aligned=aligned, vector=_vector(weight, grad, state, m, start, end), normalize=False,
                          natural=m_cols != m, flag=flag)
-        _run(group, cfg, bad, flag_pass)
+        _run(group, cfg, bad, flag_pass, keys=_keys(group, [cfg]))
     elif flag_pass is None or flag_pass.number == 1:  # nothing held: no sums to contribute
         for key in (ROW_V, COL_V) if flag_pass else (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
@@ -302,11 +303,20 @@ def _salts(configs: list[StepConfig], device: torch.device) -> Optional[Tensor]:
     return _to_device(torch.tensor([cfg.levels_salt for cfg in configs], dtype=torch.int64), device)
 
 
+def _keys(group: _Group, configs: list[StepConfig]) -> Optional[Tensor]:
+    """Each item's key of its bf16 rounding noise at this step, on the group's device (one small copy a step:
+    a key changes every step), or None when the group rounds to nearest."""
+    if not group.stochastic:
+        return None
+    return _to_device(torch.tensor([cfg.rounding_key for cfg in configs], dtype=torch.int64), group.meta.device)
+
+
 def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPass] = None,
-         salts: Optional[Tensor] = None) -> None:
+         salts: Optional[Tensor] = None, keys: Optional[Tensor] = None) -> None:
     """The launches of one prepared group (module docstring), with ``cfg``'s scalars. ``flag_pass``: one
     FSDP2 shard under the magnitude flag, one of its two passes (:func:`triton_flag_shard_pass_`). ``salts``:
-    under the levels code, each tensor's dither salt (None: nearest levels)."""
+    under the levels code, each tensor's dither salt (None: nearest levels); ``keys``: each tensor's key of its
+    bf16 rounding noise (None: nearest)."""
     meta, geometry, flag, normalize = group.meta, group.geometry, group.flag, group.normalize
     device = meta.device
     if group.stream is not None and torch.cuda.current_stream(device) != group.stream:
@@ -318,7 +328,7 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
             tensor.record_stream(current)
     partial = torch.empty(group.partial_numel, dtype=torch.float32, device=device)
     if group.levels:
-        return _run_levels(group, cfg, bad, partial, salts)
+        return _run_levels(group, cfg, bad, partial, salts, keys)
     words = torch.zeros(max(group.words_numel, 1), dtype=torch.int32, device=device)
     blocks = dict(BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS)
     cap = dict(maxnreg=tables.MAX_REGISTERS) if tables.MAX_REGISTERS else {}  # the step kernel's
@@ -345,7 +355,7 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         meta, group.item_tensor, partial, words, bad,
         cfg.lr, cfg.beta1 if group.has_m else 0.0, cfg.beta2, cfg.eps,
         *cfg.folded(),
-        rounding_seed(group.dtype, cfg),
+        meta if keys is None else keys,
         W_DTYPE=_TL_DTYPES[group.dtype], HAS_M=group.has_m, ALIGNED=group.aligned,
         VECTOR=group.vector and tables.VECTOR_HINTS, SHARD=group.shard, STAGES=tables.PIPELINE_STAGES,
         PREFETCH=tables.PREFETCH,
@@ -364,7 +374,8 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         flag_finish_kernel[(group.tensors,)](meta, partial, BLOCK=256, num_warps=4)
 
 
-def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, salts: Optional[Tensor]) -> None:
+def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, salts: Optional[Tensor],
+                keys: Optional[Tensor]) -> None:
     """The block-levels code's launches (:mod:`.levels`): V's partial sums from the old factors, then the
     step over M's blocks (which still reads them), then the finish kernel's V factors (raw sums for a
     shard)."""
@@ -379,7 +390,7 @@ def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, sa
     levels_step_kernel[(group.sums_items.numel(),)](
         group.meta, group.sums_items, group.meta if salts is None else salts, bad, cfg.lr, cfg.beta1,
         1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2,
-        rounding_seed(group.dtype, cfg), W_DTYPE=dtype,
+        group.meta if keys is None else keys, W_DTYPE=dtype,
         ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=group.stochastic, DITHER=salts is not None, BLOCKS=BLOCKS_PER_PROGRAM,
         num_warps=STEP_WARPS, **LAUNCH_OPTIONS,
     )

@@ -142,14 +142,15 @@ def encoded_momentum(m, scale, offset):
 
 @triton.jit
 def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1, rest1, beta2, rest2, eps, gsign,
-                       shrink, l2, seed, W_DTYPE: tl.constexpr, ZERO_BAD: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       shrink, l2, keys_ptr, W_DTYPE: tl.constexpr, ZERO_BAD: tl.constexpr, STOCHASTIC: tl.constexpr,
                        DITHER: tl.constexpr, BLOCKS: tl.constexpr):
     """One work item: BLOCKS consecutive blocks of a tensor's M (``T_M_TILES`` blocks to each of its
     ``T_M_ROWS`` rows of ``T_M_COLS`` elements), one per row of a (BLOCKS, 64, 2) tile whose last axis is
     the two codes of a byte (even column, low nibble). The arrays hold the param from element ``lo`` of its
     flattening (0, or an FSDP2 shard's first row): element e sits at ((lo + e) // m, (lo + e) % m) of V's
     view, whose old factors it reads, and draws its dither by lo + e with the tensor's salt (``salts[t]``,
-    under ``DITHER``). Writes the codes, the scales and the weights; adds the NaN/inf gradient elements to
+    under ``DITHER``), and its bf16 rounding noise by lo + e with ``keys[t]`` (under ``STOCHASTIC``). Writes
+    the codes, the scales and the weights; adds the NaN/inf gradient elements to
     ``bad`` under ``ZERO_BAD`` (the torch path counts them only then)."""
     t, row, blocks_per_row, local, _, _ = work_item(meta_ptr, item_tensor_ptr, T_M_TILES, T_FIRST_SUMS_ITEM)
     cols = tl.load(row + T_M_COLS).to(tl.int32)
@@ -196,7 +197,7 @@ def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1,
     # The weight, with this step's uncompressed M and V: W − lr·M / (√V + ε), as torch's add(alpha=−lr).
     new_w = tl.fma(tl.math.div_rn(mm, tl.sqrt_rn(v) + eps), -lr, w)
     if W_DTYPE == tl.bfloat16:
-        new_w = bf16_rounded(new_w, tensor_key(seed, t), lo + element, STOCHASTIC)  # its index in the whole tensor
+        new_w = bf16_rounded(new_w, tensor_key(keys_ptr, t, STOCHASTIC), lo + element, STOCHASTIC)  # by its index in the param
     tl.store(w_ptr + element, new_w.to(W_DTYPE), mask=ok)
     if ZERO_BAD:
         bad = tl.sum(tl.sum(tl.sum((ok & ~finite).to(tl.int32), axis=2), axis=1), axis=0)

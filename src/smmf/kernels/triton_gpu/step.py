@@ -85,7 +85,7 @@ def tile_loads(r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr
 
 @triton.jit
 def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
-                seed, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, VECTOR: tl.constexpr,
+                keys_ptr, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, VECTOR: tl.constexpr,
                 SHARD: tl.constexpr, STOCHASTIC: tl.constexpr, ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr,
                 FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr, STAGES: tl.constexpr,
                 PREFETCH: tl.constexpr = False):
@@ -94,7 +94,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     ``words`` is the zeroed int32 sign scratch of the unaligned tensors; n counts every row of the
     matrix, the bands only the rows that hold elements lo .. hi (``held_lo`` .. ``held_hi``).
     Scalars: ``gsign`` −1 to maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the
-    coupled decay coefficient, ``seed`` for bf16 stochastic rounding. ``bad`` counts (a lower bound
+    coupled decay coefficient; ``keys`` each tensor's key of its bf16 stochastic rounding noise
+    (read under ``STOCHASTIC``). ``bad`` counts (a lower bound
     of) the NaN/inf gradient elements, which count as zero when ``ZERO_BAD``. What one element adds
     to a factor sum is capped (``smmf.matrix.factor_sum_cap``), so finite gradients keep the factors
     finite. A tile is held as (BR, BC/8, 8): the last axis is one sign byte, so bits unpack and pack
@@ -228,7 +229,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             u = g / (tl.sqrt(v) + eps)
         new_w = w - lr * u
         if W_DTYPE == tl.bfloat16:
-            new_w = bf16_rounded(new_w, tensor_key(seed, t), start0 + offs, STOCHASTIC)
+            new_w = bf16_rounded(new_w, tensor_key(keys_ptr, t, STOCHASTIC), start0 + offs, STOCHASTIC)
         tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
     tl.store(part + tiles * n + band * m + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
     bad = tl.sum(row_sums(any_bad.to(tl.int32)), axis=0)

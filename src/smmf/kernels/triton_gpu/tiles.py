@@ -47,17 +47,20 @@ def hash_at(base, index):
 
 
 @triton.jit
-def tensor_key(seed, t):
-    """Tensor ``t``'s key for :func:`bf16_rounded` from its launch's seed: hashed, so that the noise of two
-    tensors of a launch are not copies of one stream shifted by one element."""
-    return hash_at(seed, t)
+def tensor_key(keys_ptr, t, STOCHASTIC: tl.constexpr):
+    """Tensor ``t``'s key for :func:`bf16_rounded` at this step, ``keys[t]`` (the host's
+    ``StepConfig.rounding_key``); nothing is read, and 0 returned, without ``STOCHASTIC``."""
+    if STOCHASTIC:
+        return tl.load(keys_ptr + t)
+    else:
+        return 0
 
 
 @triton.jit
 def bf16_rounded(x, key, offsets, STOCHASTIC: tl.constexpr):
     """fp32 ``x`` rounded to bf16 in the bits, so that every Triton target (and the interpreter) rounds
     alike: add noise below the kept 16 bits (``STOCHASTIC``: the top 16 bits of :func:`hash32` of the
-    tensor's ``key`` + the element's index in the whole tensor, the numba kernel's formula) or half an ulp
+    tensor's ``key`` + the element's index in the whole tensor, the formula of every path) or half an ulp
     to even (nearest), then truncate; NaN stays NaN. Returns fp32 values that bf16 holds exactly."""
     ubits = x.to(tl.uint32, bitcast=True)
     if STOCHASTIC:
