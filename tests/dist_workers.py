@@ -117,16 +117,34 @@ def ddp_bf16_rounding_worker(rank: int, world: int, port: int, out: str, in_back
     finish()
 
 
-def _sharded_net(world: int) -> nn.Module:
+def _sharded_net(world: int, dtype: torch.dtype = torch.float64) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    model = make_net()
+    model = make_net().to(dtype)
     for child in model.children():
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def fsdp2_bf16_rounding_worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
+    """One stochastically rounded step of bf16 params under FSDP2, the whole batch on every rank (each rank
+    seeded apart), and the same step of the unsharded model: each param after it, from both (rank 0's)."""
+    init(rank, world, port)
+    torch.manual_seed(1000 + rank)
+    results = {}
+    for sharded in (True, False):
+        model = _sharded_net(world, torch.bfloat16) if sharded else make_net().bfloat16()
+        opt = optimizer(model.parameters(), stochastic_rounding=True, vector_reshape=False, backend=backend)
+        x, tokens, y = batch(0)
+        nn.functional.mse_loss(model(x.bfloat16(), tokens), y.bfloat16()).backward()
+        opt.step()
+        results[sharded] = [_full(p) for p in model.parameters()]
+    if rank == 0:
+        torch.save(results, Path(out) / "fsdp2-bf16.pt")
+    finish()
 
 
 def _full_params(model: nn.Module) -> list[torch.Tensor]:

@@ -49,6 +49,22 @@ def test_ddp_replicas_round_bf16_alike_whatever_each_ranks_seed(tmp_path, in_bac
         assert not torch.equal(p0, p_start.detach())  # it trained
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_fsdp2_shards_round_bf16_as_the_whole_param(tmp_path, backend: str) -> None:
+    """An FSDP2 shard draws each element's rounding noise by its index in the whole param: the elementwise
+    (1-D) params' shards, the second rank's from element 3 or 4, round bit for bit as the unsharded step."""
+    _spawn(dist_workers.fsdp2_bf16_rounding_worker, tmp_path, backend)
+    result = torch.load(tmp_path / "fsdp2-bf16.pt")
+    start = dist_workers.make_net().bfloat16()
+    vectors = 0
+    for sharded, whole, p_start in zip(result[True], result[False], start.parameters()):
+        if sharded.dim() == 1:
+            assert torch.equal(sharded, whole)
+            assert not torch.equal(sharded, p_start.detach())  # it stepped
+            vectors += 1
+    assert vectors == 5
+
+
 # Beyond the paper: M in its natural shape (whole rows of a Shard(0) shard) with the magnitude flag,
 # and the flag on the square view (partial rows).
 FSDP2_OPTIONS = {"paper": {}, "natural+flag": dict(momentum_shape="natural", magnitude_bits=1),

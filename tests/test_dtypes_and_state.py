@@ -109,25 +109,66 @@ def test_stochastic_rounding_is_decided_by_the_step_not_torch_seed(backend: str,
 @pytest.mark.skipif(not _NUMBA, reason="no numba")
 @pytest.mark.parametrize("code", [{}, {"magnitude_bits": 3}], ids=["paper", "levels"])
 def test_numba_rounds_bf16_with_the_torch_paths_noise(code: dict) -> None:
-    """An update every path computes exactly (1 − 2⁻⁹, half a bf16 ulp below 1: with β1 = 0, M = G = 1 and
-    V = G² = 1 at the first step), rounded by both paths: the same bits, each param by its own key (the two
-    params round apart), as ``write_back_`` rounds it with ``rounding_key(1, ordinal)``."""
+    """Updates every path computes exactly (−2⁻⁹, half a bf16 ulp below 1: with β1 = 0 and γ = 0, M = G = 1 and
+    V = G² = 1 at every step), rounded by both paths: the same bits, each param by its own key at each step (the
+    two params, and the two steps, round apart), as ``write_back_`` rounds them with ``rounding_key(step, ordinal)``."""
     from smmf.levels import rounding_key
 
-    runs = {}
+    runs: dict[str, list[list[torch.Tensor]]] = {}
     for backend in ("torch", "numba"):
         params = [torch.nn.Parameter(torch.ones(64, 48, dtype=torch.bfloat16)) for _ in range(2)]
-        opt = SMMF(params, lr=2.0**-9, beta=0.0, stochastic_rounding=True, backend=backend, **code)
-        for p in params:
-            p.grad = torch.ones_like(p)
-        opt.step()
-        runs[backend] = [p.detach().clone() for p in params]
-    for ordinal, (p_torch, p_numba) in enumerate(zip(runs["torch"], runs["numba"])):
-        expected = torch.empty_like(p_torch)
-        write_back_(expected, torch.full(p_torch.shape, 1 - 2.0**-9), rounding_key(1, ordinal))
-        assert torch.equal(p_torch, expected) and torch.equal(p_numba, expected), ordinal
-        assert 0.3 < (p_torch != 1).float().mean().item() < 0.7
-    assert not torch.equal(runs["torch"][0], runs["torch"][1])
+        opt = SMMF(params, lr=2.0**-9, beta=0.0, decay_rate=0.0, stochastic_rounding=True, backend=backend, **code)
+        runs[backend] = []
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+            runs[backend].append([p.detach().clone() for p in params])
+    for step in (1, 2):
+        for ordinal in range(2):
+            before = torch.ones(64, 48) if step == 1 else runs["torch"][0][ordinal].float()
+            expected = torch.empty(64, 48, dtype=torch.bfloat16)
+            write_back_(expected, before - 2.0**-9, rounding_key=rounding_key(step, ordinal))
+            got = [runs[backend][step - 1][ordinal] for backend in ("torch", "numba")]
+            assert torch.equal(got[0], expected) and torch.equal(got[1], expected), (step, ordinal)
+    first_step = runs["torch"][0]
+    assert 0.3 < (first_step[0] != 1).float().mean().item() < 0.7
+    assert not torch.equal(first_step[0], first_step[1])
+    moved_again = runs["torch"][1][0] != first_step[0]
+    assert not torch.equal(moved_again, first_step[0] != 1)  # the second step drew other noise
+
+
+def test_torch_path_rounding_adds_the_hash_of_the_index_and_keeps_nan() -> None:
+    """``write_back_`` under a key: the top 16 bits of mix32(key + first + i) below bf16's kept bits, then
+    truncated (infinities, the largest finite values, zeros and subnormals too; across a chunk's end and past 2³²
+    of the index); NaN stays NaN. Without a key, nearest even. A bf16 step rounded stochastically without a key
+    is refused."""
+    from smmf.functional import StepConfig, torch_step_
+    from smmf.levels import _mix32
+    from smmf.state import MomentumCode, init_state
+
+    big = torch.finfo(torch.float32).max
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), big, -big, 0.0, -0.0, 1e-40, -1e-40])
+    values = torch.cat([special, torch.randn((1 << 20) + 100, generator=torch.Generator().manual_seed(0)) * 10])
+    key, first = 2**32 - 77, 5
+    out = torch.empty(values.shape, dtype=torch.bfloat16)
+    write_back_(out, values, rounding_key=key, first=first)
+    index = (torch.arange(values.numel(), dtype=torch.int64) + first + key) & 0xFFFFFFFF
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    expected = (((bits + (_mix32(index) >> 16)) >> 16) & 0xFFFF).to(torch.int32)
+    finite = ~values.isnan()
+    assert torch.equal((out.view(torch.int16).to(torch.int32) & 0xFFFF)[finite], expected[finite])
+    assert out[~finite].isnan().all()
+    nearest = torch.empty_like(out)
+    write_back_(nearest, values, rounding_key=None)
+    assert torch.equal(nearest[finite], values[finite].bfloat16())
+
+    w = torch.ones(8, 8, dtype=torch.bfloat16)
+    cfg = StepConfig(lr=1e-3, beta1=None, beta2=0.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                     maximize=False, stochastic_rounding=True, code=MomentumCode.SIGN)
+    with pytest.raises(ValueError, match="rounding_key"):
+        torch_step_(w, torch.ones_like(w), init_state(w, {"beta": None, "vector_reshape": True}), cfg)
+    assert torch.equal(w, torch.ones_like(w))
 
 
 @pytest.mark.skipif(not _NUMBA, reason="no numba")

@@ -507,16 +507,12 @@ def test_numba_levels_shard_passes_add_up_to_the_whole_step(dither: bool) -> Non
 @pytest.mark.parametrize("code", [MomentumCode.SIGN, MomentumCode.LEVELS], ids=["paper", "levels"])
 def test_numba_bf16_rounding_noise_follows_the_element_not_the_shard(code: MomentumCode) -> None:
     """bf16 stochastic rounding draws each element's noise by its index in the whole param: shards stepped
-    from the same seed of torch's generator round every weight as the whole tensor's step does, bit for bit
-    (a shard that hashed its own local indices would repeat the first shard's noise)."""
+    with the param's key round every weight as the whole tensor's step does, bit for bit (a shard that hashed
+    its own local indices would repeat the first shard's noise)."""
     from helpers import levels_step_in_pieces, piece_cuts, step_in_pieces
     from smmf.functional import StepConfig
     from smmf.kernels.numba_cpu import numba_shard_step_, numba_step_
     from smmf.state import init_state, matrix_shape
-
-    def seeded(*args):
-        torch.manual_seed(5)
-        return numba_shard_step_(*args)
 
     gen = torch.Generator().manual_seed(4)
     p = torch.randn(40, 600, generator=gen).bfloat16()
@@ -524,19 +520,19 @@ def test_numba_bf16_rounding_noise_follows_the_element_not_the_shard(code: Momen
     bits = 3 if code is MomentumCode.LEVELS else 0
     state = init_state(p, {"beta": 0.9, "vector_reshape": True, "magnitude_bits": bits})
     cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
-                     maximize=False, stochastic_rounding=True, code=code)
+                     maximize=False, stochastic_rounding=True, code=code, rounding_key=2**32 - 5)
+
     def copy(state: dict) -> dict:
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
     whole, whole_state, nearest, nearest_state = p.clone(), copy(state), p.clone(), copy(state)
-    torch.manual_seed(5)
     numba_step_(whole, g, whole_state, cfg)
     numba_step_(nearest, g, nearest_state, replace(cfg, stochastic_rounding=False))
     assert not torch.equal(nearest, whole)  # the noise was drawn
     if code is MomentumCode.LEVELS:
-        flat = levels_step_in_pieces(seeded, p, g, state, cfg, [0, 13, 27, 40])
+        flat = levels_step_in_pieces(numba_shard_step_, p, g, state, cfg, [0, 13, 27, 40])
     else:
-        flat = step_in_pieces(seeded, p, g, state, cfg, piece_cuts(p.numel(), matrix_shape(p)[1]))
+        flat = step_in_pieces(numba_shard_step_, p, g, state, cfg, piece_cuts(p.numel(), matrix_shape(p)[1]))
     assert torch.equal(flat.view(torch.int16), whole.reshape(-1).view(torch.int16))
 
 

@@ -356,7 +356,7 @@ def test_a_params_salt_copies_the_config_as_replace_does() -> None:
                      maximize=True, stochastic_rounding=True, code=MomentumCode.LEVELS, zero_nonfinite=False,
                      levels_salt=3, rounding_key=5)
     own = ("levels_salt", "rounding_key")
-    for salt, key in ((7, 11), (None, 0)):
+    for salt, key in ((7, 11), (None, None)):
         salted = cfg.for_param(salt, key)
         expected = replace(cfg, levels_salt=salt, rounding_key=key)
         assert salted == expected and hash(salted) == hash(expected)

@@ -221,7 +221,8 @@ def run_plans_follow_configs(device: str) -> None:
 
     def config(lr: float, stochastic: bool = False) -> StepConfig:
         return StepConfig(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
-                          maximize=False, stochastic_rounding=stochastic, code=MomentumCode.SIGN)
+                          maximize=False, stochastic_rounding=stochastic, code=MomentumCode.SIGN,
+                          rounding_key=1234 if stochastic else None)
 
     host._PLANS.clear()
     try:
@@ -388,7 +389,7 @@ def run_levels_stochastic(device: str) -> None:
                          maximize=False, stochastic_rounding=False, code=MomentumCode.LEVELS)
         q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         torch_step_(p, g, state, cfg)
-        triton_step_(q, g, sq, dataclasses.replace(cfg, stochastic_rounding=True))
+        triton_step_(q, g, sq, dataclasses.replace(cfg, stochastic_rounding=True, rounding_key=rounding_key(step)))
         ulp = (p.float().abs() * 2.0 ** -7).clamp(min=2.0 ** -133)  # a bf16 ulp is at most 2^-7 of |w|
         assert bool(((q.float() - p.float()).abs() <= ulp).all())
         assert 0 < (q != p).float().mean().item() < 0.5
@@ -428,7 +429,8 @@ def run_bf16_rounding(device: str) -> None:
         for step in range(1, 51):
             cfg = StepConfig(lr=1e-4, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.5, step), eps=1e-8,
                              weight_decay=0.0, decoupled_weight_decay=True, maximize=False,
-                             stochastic_rounding=dtype == torch.bfloat16, code=MomentumCode.SIGN)
+                             stochastic_rounding=dtype == torch.bfloat16, code=MomentumCode.SIGN,
+                             rounding_key=rounding_key(step))
             triton_step_(p, torch.ones_like(p), state, cfg)
         means[dtype] = p.double().mean().item()
     assert means[torch.float32] < 0.999
@@ -547,7 +549,7 @@ def run_levels_shards(device: str) -> None:
                 cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
                                  decoupled_weight_decay=step == 1, maximize=False, stochastic_rounding=rounded,
                                  code=MomentumCode.LEVELS, levels_salt=step_salt(step) if dither else None,
-                                 rounding_key=rounding_key(step, 3) if rounded else 0)
+                                 rounding_key=rounding_key(step, 3) if rounded else None)
                 g = torch.randn(shape, generator=gen).to(device, p.dtype)
                 whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
                 triton_step_(whole, g, whole_state, cfg)

@@ -47,7 +47,8 @@ Nonfinite = Union[int, Tensor, None]
 
 @dataclass(frozen=True)
 class StepConfig:
-    """Scalars of one step of one parameter group."""
+    """Scalars of one step of one parameter group; ``levels_salt`` and ``rounding_key`` are one param's own
+    (:meth:`for_param`)."""
 
     lr: float
     beta1: Optional[float]  # β1_t of this step; None when there is no first moment
@@ -60,15 +61,26 @@ class StepConfig:
     code: MomentumCode  # how the param's state stores M and V (smmf.state.momentum_code)
     zero_nonfinite: bool = True  # NaN/inf gradient elements count as 0 (else they propagate)
     levels_salt: Optional[int] = None  # the levels code under stochastic rounding: this step's salt (smmf.levels)
-    rounding_key: int = 0  # bf16 stochastic rounding: this param's key at this step (smmf.levels.rounding_key)
+    rounding_key: Optional[int] = None  # bf16 stochastic rounding: this param's key at this step (rounding_key_for)
 
-    def for_param(self, levels_salt: Optional[int], rounding_key: int) -> StepConfig:
+    def for_param(self, levels_salt: Optional[int], rounding_key: Optional[int]) -> StepConfig:
         """This config with one param's own ``levels_salt`` and ``rounding_key``: what ``dataclasses.replace``
         makes, in a fifth of its time (each param of a dithered or stochastically rounded group takes its own
         at every step, so this is paid per param)."""
         config = object.__new__(type(self))
         config.__dict__.update(self.__dict__, levels_salt=levels_salt, rounding_key=rounding_key)
         return config
+
+    def rounding_key_for(self, dtype: torch.dtype) -> Optional[int]:
+        """The key of the stochastic rounding noise of weights of ``dtype``; None where they round to nearest (all
+        but bf16). A bf16 step rounded stochastically must carry its own key (``smmf.levels.rounding_key`` of
+        the step and the param's place): a fixed one would round each element alike at every step."""
+        if not (self.stochastic_rounding and dtype == torch.bfloat16):
+            return None
+        if self.rounding_key is None:
+            raise ValueError("stochastic_rounding of bf16 weights needs StepConfig.rounding_key: this param's key at "
+                             "this step, smmf.levels.rounding_key(step, ordinal) (StepConfig.for_param sets it)")
+        return self.rounding_key
 
     def folded(self) -> tuple[float, float, float]:
         """``(gsign, shrink, l2)``: maximize and weight decay as every path applies them —
@@ -79,6 +91,9 @@ class StepConfig:
             1.0 - self.lr * self.weight_decay if decoupled else 1.0,
             0.0 if decoupled else self.weight_decay,
         )
+
+
+_ROUNDING_CHUNK = 1 << 20  # elements rounded at a time by write_back_
 
 
 def torch_step_(
@@ -102,7 +117,7 @@ def torch_step_(
         update = (matrix_update or _whole_matrix_update)(g.view(-1), state, cfg)
     work.add_(update.view_as(work), alpha=-cfg.lr)
     if work is not weight:
-        write_back_(weight, work, cfg.rounding_key if cfg.stochastic_rounding else None, first)
+        write_back_(weight, work, rounding_key=cfg.rounding_key_for(weight.dtype), first=first)
     return nonfinite
 
 
@@ -240,17 +255,21 @@ def store_factors_(state: dict[str, Any], row_key: str, col_key: str, row_sums: 
     state[col_key].copy_(cols)
 
 
-def write_back_(dst: Tensor, src: Tensor, rounding_key: Optional[int], first: int = 0) -> None:
+def write_back_(dst: Tensor, src: Tensor, *, rounding_key: Optional[int], first: int = 0) -> None:
     """Write fp32 ``src`` into ``dst``; into bf16 rounded stochastically when ``rounding_key`` is given (else
     to nearest even). Element i (``first + i`` of its param) adds the top 16 bits of
     ``mix32((rounding_key + first + i) mod 2³²)`` (:func:`smmf.levels.counter_hash`) below the 16 bits bf16
     keeps, then truncates: it rounds up with the probability of the dropped fraction, with the noise every
-    fused kernel draws."""
+    fused kernel draws. NaN stays NaN. By chunks, so that the hash's int64 temporaries stay small."""
     if rounding_key is not None and dst.dtype == torch.bfloat16 and src.dtype == torch.float32:
-        noise = counter_hash(rounding_key, first, src.numel(), src.device).view(src.shape)
-        noise >>= 16
-        # In int32 lanes a finite or infinite value's bits plus the noise cannot wrap; a NaN could become
-        # an infinity once truncated, so NaN is kept as it is.
-        rounded = src.view(torch.int32).add(noise.to(torch.int32)).bitwise_and_(-65536).view(torch.float32)
-        src = torch.where(src.isnan(), src, rounded)
+        flat = src.reshape(-1)
+        rounded = torch.empty_like(flat)
+        for at in range(0, flat.numel(), _ROUNDING_CHUNK):
+            part = flat[at : at + _ROUNDING_CHUNK]
+            noise = (counter_hash(rounding_key, first + at, part.numel(), part.device) >> 16).to(torch.int32)
+            # In int32 lanes a finite or infinite value's bits plus the noise cannot wrap; a NaN could become
+            # an infinity once truncated, so NaN is kept as it is.
+            bits = noise.add_(part.view(torch.int32)).bitwise_and_(-65536).view(torch.float32)
+            rounded[at : at + _ROUNDING_CHUNK] = torch.where(part.isnan(), part, bits)
+        src = rounded.view(src.shape)
     dst.copy_(src)

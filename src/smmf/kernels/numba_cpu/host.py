@@ -84,7 +84,7 @@ def _as_numpy(t: Tensor) -> np.ndarray:
 def scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> Scalars:
     """The step's :class:`Scalars` in the work dtype ``dtype`` (np.float32, or np.float64 for fp64)."""
     # Keyed without the levels' salt and the rounding key, which each param of a group has its own of.
-    group = cfg if cfg.levels_salt is None and not cfg.rounding_key else cfg.for_param(None, 0)
+    group = cfg if cfg.levels_salt is None and cfg.rounding_key is None else cfg.for_param(None, None)
     return Scalars._make((*_group_scalars(group, dtype), _work_scalar(dtype)(factor_sum_cap(numel, dtype))))
 
 
@@ -143,7 +143,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     geo = Geometry(n=rows, m=cols, m_cols=m_cols, row0=row0, rows_per_block=rows_per_block, lo=lo, hi=hi)
     writes = flag_pass is None or flag_pass.number == updating_flag_pass(cfg)  # a flag shard's other pass reads
     opts = Options(has_m=has_m, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole,
-                   sr_seed=cfg.rounding_key if writes else 0)
+                   sr_seed=(cfg.rounding_key_for(weight.dtype) or 0) if writes else 0)
     sc = scalars(cfg, rows * cols, dtype)
     w, g = _as_numpy(weight), _as_numpy(grad)
     parallel = hi - lo >= PARALLEL_MIN_NUMEL
@@ -192,7 +192,7 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, lo=lo, rows_per_block=rows_per_block,
                          dither=cfg.levels_salt is not None, salt=cfg.levels_salt or 0)
     opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole,
-                   sr_seed=cfg.rounding_key)
+                   sr_seed=cfg.rounding_key_for(weight.dtype) or 0)
     sc = scalars(cfg, n * m, dtype)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     args = (_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(), state[SCALES_M].view(torch.int16).numpy(),

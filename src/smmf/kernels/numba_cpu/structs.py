@@ -2,7 +2,7 @@
 
 Arrays travel in :class:`Moments`, :class:`Scratch` and :class:`FlagArrays`; numbers in
 :class:`Scalars` (floats in the work dtype), :class:`Geometry` (ints) and :class:`Options` (bools, and the
-stochastic rounding's seed).
+tensor's key of its stochastic rounding noise).
 Only the numbers cross into the compiled kernels as tuples: numba (0.68) loses some writes to
 arrays held in a tuple (any made inside a ``prange`` body, and a slice assignment from another
 array), so the host builds the array tuples and the kernels take their fields one by one, in the

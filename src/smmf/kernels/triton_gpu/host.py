@@ -40,7 +40,7 @@ def _vector(weight: Tensor, grad: Tensor, state: dict[str, Any], m: int, lo: int
 def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
     """The fused step of many tensors: ``(param, grad, state, cfg)`` each, one launch set per distinct
     (dtype, cfg, alignment, code of M) among them (under the levels code, ``magnitude_bits=3``, the kernels of
-    :mod:`.levels`; each tensor's dither salt is its own). Returns a CUDA counter of NaN/inf gradient elements (a lower
+    :mod:`.levels`; each tensor's dither salt and rounding key are its own). Returns a CUDA counter of NaN/inf gradient elements (a lower
     bound; not synchronized), or None when none of the configs zeroes them.
 
     The host's work per tensor (grouping, the table of each launch, its copy to the GPU) is what a step
@@ -73,7 +73,8 @@ def triton_steps_(items: Sequence[StepItem]) -> Optional[Tensor]:
 
 class _Plan(NamedTuple):
     """A step's launches: each prepared group with the indices of its items, whose configs are equal (but
-    for the levels code's dither salt, each item's own); the first item's config is the launch's."""
+    for the levels code's dither salt and the bf16 rounding key, each item's own); the first item's config is
+    the launch's."""
 
     groups: list[tuple[_Group, list[int]]]
 
@@ -86,7 +87,7 @@ def _signature(items: Sequence[StepItem]) -> Optional[tuple]:
     """What decides a step's plan: every param's and gradient's address, shape and dtype, every state
     tensor's name, address and size, which items' configs are equal (a plan launches a group with one
     item's config) and what of them it bakes in (stochastic rounding, a first moment, the code of M, whether
-    the levels are dithered: each item's salt is read at every step), and
+    the levels are dithered: each item's salt and rounding key are read at every step), and
     the tile geometry. None when some param or gradient needs a copy first (strided, or a
     gradient of another dtype): that step is planned for itself alone."""
     classes: dict[tuple[int, torch.dtype], tuple] = {}
@@ -190,7 +191,8 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
                          dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
                          aligned=aligned, vector=_vector(weight, grad, state, m, start, end), normalize=False,
                          natural=m_cols != m, flag=flag)
-        _run(group, cfg, bad, flag_pass, keys=_keys(group, [cfg]))
+        pass_0 = flag_pass is not None and flag_pass.number == 0  # it only reads: no weights to round
+        _run(group, cfg, bad, flag_pass, keys=None if pass_0 else _keys(group, [cfg]))
     elif flag_pass is None or flag_pass.number == 1:  # nothing held: no sums to contribute
         for key in (ROW_V, COL_V) if flag_pass else (ROW_V, COL_V, ROW_M, COL_M):
             if key in state:
@@ -308,7 +310,8 @@ def _keys(group: _Group, configs: list[StepConfig]) -> Optional[Tensor]:
     a key changes every step), or None when the group rounds to nearest."""
     if not group.stochastic:
         return None
-    return _to_device(torch.tensor([cfg.rounding_key for cfg in configs], dtype=torch.int64), group.meta.device)
+    keys = [cfg.rounding_key_for(group.dtype) for cfg in configs]
+    return _to_device(torch.tensor(keys, dtype=torch.int64), group.meta.device)
 
 
 def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPass] = None,
