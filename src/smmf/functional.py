@@ -71,11 +71,15 @@ class StepConfig:
         config.__dict__.update(self.__dict__, levels_salt=levels_salt, rounding_key=rounding_key)
         return config
 
+    def rounds_stochastically(self, dtype: torch.dtype) -> bool:
+        """Whether weights of ``dtype`` are rounded stochastically: bf16 under ``stochastic_rounding``."""
+        return self.stochastic_rounding and dtype == torch.bfloat16
+
     def rounding_key_for(self, dtype: torch.dtype) -> Optional[int]:
         """The key of the stochastic rounding noise of weights of ``dtype``; None where they round to nearest (all
         but bf16). A bf16 step rounded stochastically must carry its own key (``smmf.levels.rounding_key`` of
         the step and the param's place): a fixed one would round each element alike at every step."""
-        if not (self.stochastic_rounding and dtype == torch.bfloat16):
+        if not self.rounds_stochastically(dtype):
             return None
         if self.rounding_key is None:
             raise ValueError("stochastic_rounding of bf16 weights needs StepConfig.rounding_key: this param's key at "

@@ -465,10 +465,10 @@ class SMMF(Optimizer):
                 state[STEP] += 1
                 key = (id(group), state[STEP], code)
                 cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))
-                rounded = cfg.stochastic_rounding and param.dtype == torch.bfloat16
+                rounded = cfg.rounds_stochastically(param.dtype)
                 if cfg.levels_salt is not None or rounded:  # each param draws its own dither and rounding noise
                     cfg = cfg.for_param(None if cfg.levels_salt is None else step_salt(state[STEP], ordinal),
-                                        rounding_key(state[STEP], ordinal) if rounded else 0)
+                                        rounding_key(state[STEP], ordinal) if rounded else None)
                 if not kernel.batched:
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()

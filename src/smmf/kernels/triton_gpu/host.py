@@ -23,7 +23,7 @@ from .table import META_COLUMNS, TABLE_FIELDS, layout, levels_layout
 
 def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
     return (dtype, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.decoupled_weight_decay,
-            cfg.maximize, cfg.zero_nonfinite, cfg.stochastic_rounding and dtype == torch.bfloat16)
+            cfg.maximize, cfg.zero_nonfinite, cfg.rounds_stochastically(dtype))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -180,7 +180,7 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     bad = torch.zeros(1, dtype=torch.int32, device=weight.device)
     if cfg.code is MomentumCode.LEVELS and weight.numel():  # the shard's own rows of M: its own code, V's raw sums
         group = _prepare_levels([(weight, grad, state)], [start], weight.dtype,
-                                cfg.stochastic_rounding and weight.dtype == torch.bfloat16, normalize=False)
+                                cfg.rounds_stochastically(weight.dtype), normalize=False)
         _run(group, cfg, bad, salts=_salts([cfg], weight.device), keys=_keys(group, [cfg]))
     elif weight.numel():
         aligned = cfg.beta1 is None or (m % 8 == 0 and start % 8 == 0)
@@ -188,7 +188,7 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
         flag = flag_pass is not None
         end = start + weight.numel()
         group = _prepare([(weight, grad, state)], ((n, m, start, end, m_cols, flag),), has_m=cfg.beta1 is not None,
-                         dtype=weight.dtype, stochastic=cfg.stochastic_rounding and weight.dtype == torch.bfloat16,
+                         dtype=weight.dtype, stochastic=cfg.rounds_stochastically(weight.dtype),
                          aligned=aligned, vector=_vector(weight, grad, state, m, start, end), normalize=False,
                          natural=m_cols != m, flag=flag)
         pass_0 = flag_pass is not None and flag_pass.number == 0  # it only reads: no weights to round
