@@ -26,6 +26,11 @@ from smmf.state import MomentumCode, init_state, momentum_code, real_view
 SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128), (1000, 3), (24, 200), (8, 1000)]
 
 
+def _copied(state: dict) -> dict:
+    """A state whose tensors are copies."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
 def _decoded(state: dict, cfg: StepConfig) -> torch.Tensor:
     """M̂ as the state encodes it, flat."""
     shape = (state["row_m"].numel(), state["col_m"].numel())
@@ -88,7 +93,7 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
         sp = init_state(p, group)
         for step in range(1, 21):
             q = p.clone()
-            sq = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sp.items()}
+            sq = _copied(sp)
             g = torch.randn(shape, generator=gen).to(device, dtype)
             cfg = StepConfig(lr=1e-2, beta1=None if beta is None else beta1_at(beta, 0.999, step),
                              beta2=beta2_at(-0.8, step), eps=1e-8, weight_decay=weight_decay,
@@ -155,7 +160,7 @@ def _steps_against_torch(device: str, params: list, grads: list, states: list, c
     items, expected = [], []
     for p, g, st, cfg in zip(params, grads, states, configs):
         g.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device))
-        ref_p, ref_st = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+        ref_p, ref_st = p.clone(), _copied(st)
         torch_step_(ref_p, g, ref_st, cfg)
         expected.append((ref_p, ref_st))
         items.append((p, g, st, cfg))
@@ -279,7 +284,7 @@ def run_flag_shards(device: str) -> None:
                                  decoupled_weight_decay=step != 2, maximize=step == 3, stochastic_rounding=False,
                                  code=MomentumCode.FLAG)
                 g = torch.randn(shape, generator=gen).to(device)
-                whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                whole, whole_state = p.clone(), _copied(state)
                 torch_step_(whole, g, whole_state, cfg)
                 pieces = []
                 for lo, hi in zip(cuts[:-1], cuts[1:]):
@@ -358,7 +363,7 @@ def run_levels(device: str, dtype: torch.dtype) -> None:
                                  maximize=config["maximize"], stochastic_rounding=False,
                                  code=momentum_code(p, group), zero_nonfinite=config["zero"],
                                  levels_salt=step_salt(step) if config.get("dither") else None)
-                q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                q, sq = p.clone(), _copied(state)
                 expected_bad = torch_step_(p, g, state, cfg)
                 bad = triton_step_(q, g, sq, cfg)
                 if config["zero"]:
@@ -376,9 +381,12 @@ def run_levels(device: str, dtype: torch.dtype) -> None:
 
 
 def run_levels_stochastic(device: str) -> None:
-    """bf16 weights under stochastic rounding on the levels kernels: each within one bf16 ulp of the
-    torch path's round-to-nearest, some rounded the other way (the noise is applied), the code as the
-    torch path's."""
+    """bf16 weights under stochastic rounding on the levels kernels, as the torch path rounds them with the
+    same key: bit for bit under the interpreter (which computes as torch's CPU ops do). On CUDA the weight
+    before rounding may differ by a float32 ulp, which moves the rounded one only where the noise lands
+    within that ulp of a bf16 boundary: at most 1e-3 of the elements, each by one bf16 ulp. The noise is
+    applied (a quarter or more of the elements round otherwise than to nearest) and the code is the torch
+    path's."""
     gen = torch.Generator().manual_seed(7)
     p = torch.randn(129, 600, generator=gen).to(device, torch.bfloat16)
     group = {"beta": 0.9, "vector_reshape": True, "magnitude_bits": 3}
@@ -386,16 +394,21 @@ def run_levels_stochastic(device: str) -> None:
     for step in range(1, 4):
         g = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
         cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
-                         maximize=False, stochastic_rounding=False, code=MomentumCode.LEVELS)
-        q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                         maximize=False, stochastic_rounding=True, code=MomentumCode.LEVELS,
+                         rounding_key=rounding_key(step))
+        q, sq = p.clone(), _copied(state)
+        nearest = p.clone()
+        torch_step_(nearest, g, _copied(state), dataclasses.replace(cfg, stochastic_rounding=False, rounding_key=None))
         torch_step_(p, g, state, cfg)
-        triton_step_(q, g, sq, dataclasses.replace(cfg, stochastic_rounding=True, rounding_key=rounding_key(step)))
+        triton_step_(q, g, sq, cfg)
         ulp = (p.float().abs() * 2.0 ** -7).clamp(min=2.0 ** -133)  # a bf16 ulp is at most 2^-7 of |w|
         assert bool(((q.float() - p.float()).abs() <= ulp).all())
-        assert 0 < (q != p).float().mean().item() < 0.5
+        flips = (q != p).sum().item()
+        assert flips <= (0 if device == "cpu" else 1e-3 * p.numel()), (step, flips)
+        assert 0.2 < (q != nearest).float().mean().item() < 0.8
         _same_levels(sq, state, exact=device == "cpu")
         p, state = q, sq
-    print(f"{device} levels code, bf16 stochastic rounding: OK")
+    print(f"{device} levels code, bf16 stochastic rounding as the torch path's: OK")
 
 
 @triton.jit
@@ -519,7 +532,7 @@ def run_huge_flag(device: str) -> None:
                 cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
                                  weight_decay=0.0, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False,
                                  code=MomentumCode.FLAG)
-                q, sq = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                q, sq = p.clone(), _copied(state)
                 torch_step_(p, g, state, cfg)
                 triton_step_(q, g, sq, cfg)
                 assert bool(q.isfinite().all()) and bool(sq["levels_m"].isfinite().all()), (momentum_shape, scale, step)
@@ -551,7 +564,7 @@ def run_levels_shards(device: str) -> None:
                                  code=MomentumCode.LEVELS, levels_salt=step_salt(step) if dither else None,
                                  rounding_key=rounding_key(step, 3) if rounded else None)
                 g = torch.randn(shape, generator=gen).to(device, p.dtype)
-                whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                whole, whole_state = p.clone(), _copied(state)
                 triton_step_(whole, g, whole_state, cfg)
                 flat = levels_step_in_pieces(triton_shard_step_, p, g, state, cfg, cuts)
                 assert torch.equal(flat, whole.reshape(-1)), (shape, dither, step)
