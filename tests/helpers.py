@@ -75,13 +75,18 @@ def piece_cuts(numel: int, cols: int) -> list[int]:
     return [0, 8 * (numel // 24), numel // 2 + 1, numel // 2 + 1, numel - cols // 2, numel]
 
 
+def copied_state(state: dict) -> dict:
+    """A state whose tensors are copies (the other entries shared)."""
+    return {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()}
+
+
 def piece_state(state: dict, lo: int, hi: int) -> dict:
     """The state a shard holding elements ``lo .. hi`` keeps: the factors whole, its own sign (and
     flag) bits."""
     from smmf.matrix import pack_signs
 
     numel = state["row_v"].numel() * state["col_v"].numel()  # V's n×m view: every element
-    local = {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()}
+    local = copied_state(state)
     for key in ("sign_m", "flag_m"):
         if key in state:
             local[key] = pack_signs(unpack_signs(state[key], numel)[lo:hi])

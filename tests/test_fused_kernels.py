@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import FUSED_BACKENDS, ZOO_SHAPES, device_of, reconstruct_state, run_script, state_tensors_bytes
+from helpers import (FUSED_BACKENDS, ZOO_SHAPES, copied_state, device_of, reconstruct_state, run_script,
+                     state_tensors_bytes)
 from smmf import SMMF
 from smmf.dispatch import step_kernel
 from smmf.kernels import available_backends, check_backend
@@ -343,9 +344,9 @@ def test_two_rows_in_one_loop_match_the_torch_path() -> None:
             g = torch.randn(shape, generator=gen, dtype=torch.float64)
             g.view(-1)[step * 7919 :: 104729] = float("nan")
             nans = int(g.isnan().sum())
-            whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            whole, whole_state = p.clone(), copied_state(state)
             torch_step_(whole, g, whole_state, cfg)
-            fused, fused_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            fused, fused_state = p.clone(), copied_state(state)
             assert numba_step_(fused, g, fused_state, cfg) == nans
             torch.testing.assert_close(fused, whole, rtol=0, atol=1e-12)
             flat = step_in_pieces(numba_shard_step_, p, g, state, cfg, piece_cuts(p.numel(), shape[1]))
@@ -492,7 +493,7 @@ def test_numba_levels_shard_passes_add_up_to_the_whole_step(dither: bool) -> Non
                              decoupled_weight_decay=step != 2, maximize=step == 3, stochastic_rounding=False,
                              code=MomentumCode.LEVELS, levels_salt=1000 * step + 7 if dither else None)
             g = torch.randn(shape, generator=gen, dtype=torch.float64)
-            whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            whole, whole_state = p.clone(), copied_state(state)
             torch_step_(whole, g, whole_state, cfg)
             flat = levels_step_in_pieces(numba_shard_step_, p, g, state, cfg, cuts)
             torch.testing.assert_close(flat, whole.reshape(-1), rtol=0, atol=1e-12)
@@ -522,10 +523,7 @@ def test_numba_bf16_rounding_noise_follows_the_element_not_the_shard(code: Momen
     cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
                      maximize=False, stochastic_rounding=True, code=code, rounding_key=2**32 - 5)
 
-    def copy(state: dict) -> dict:
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-    whole, whole_state, nearest, nearest_state = p.clone(), copy(state), p.clone(), copy(state)
+    whole, whole_state, nearest, nearest_state = p.clone(), copied_state(state), p.clone(), copied_state(state)
     numba_step_(whole, g, whole_state, cfg)
     numba_step_(nearest, g, nearest_state, replace(cfg, stochastic_rounding=False))
     assert not torch.equal(nearest, whole)  # the noise was drawn
@@ -585,7 +583,7 @@ def test_numba_flag_shard_passes_add_up_to_the_whole_step(l2: bool, momentum_sha
                              decoupled_weight_decay=not l2, maximize=step == 3, stochastic_rounding=False,
                              code=MomentumCode.FLAG)
             g = torch.randn(shape, generator=gen, dtype=torch.float64)
-            whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            whole, whole_state = p.clone(), copied_state(state)
             torch_step_(whole, g, whole_state, cfg)
             reduce_for = _threads_as_ranks(len(cuts) - 1)
             ranks, errors = [], []

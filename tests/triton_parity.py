@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from helpers import copied_state
 from smmf.functional import StepConfig, decompress_momentum, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
 from smmf.kernels.triton_gpu.tiles import bf16_rounded
@@ -24,11 +25,6 @@ from smmf.state import MomentumCode, init_state, momentum_code, real_view
 # Aligned widths (64×48, 32×24, 256×128: several tiles) and widths that are not a multiple of 8
 # (36×30 conv, a prime, 31×9), which write their sign bits through the int32 scratch.
 SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128), (1000, 3), (24, 200), (8, 1000)]
-
-
-def _copied(state: dict) -> dict:
-    """A state whose tensors are copies."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _decoded(state: dict, cfg: StepConfig) -> torch.Tensor:
@@ -93,7 +89,7 @@ def run(device: str, dtype: torch.dtype, beta, maximize: bool, weight_decay: flo
         sp = init_state(p, group)
         for step in range(1, 21):
             q = p.clone()
-            sq = _copied(sp)
+            sq = copied_state(sp)
             g = torch.randn(shape, generator=gen).to(device, dtype)
             cfg = StepConfig(lr=1e-2, beta1=None if beta is None else beta1_at(beta, 0.999, step),
                              beta2=beta2_at(-0.8, step), eps=1e-8, weight_decay=weight_decay,
@@ -160,7 +156,7 @@ def _steps_against_torch(device: str, params: list, grads: list, states: list, c
     items, expected = [], []
     for p, g, st, cfg in zip(params, grads, states, configs):
         g.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device))
-        ref_p, ref_st = p.clone(), _copied(st)
+        ref_p, ref_st = p.clone(), copied_state(st)
         torch_step_(ref_p, g, ref_st, cfg)
         expected.append((ref_p, ref_st))
         items.append((p, g, st, cfg))
@@ -284,7 +280,7 @@ def run_flag_shards(device: str) -> None:
                                  decoupled_weight_decay=step != 2, maximize=step == 3, stochastic_rounding=False,
                                  code=MomentumCode.FLAG)
                 g = torch.randn(shape, generator=gen).to(device)
-                whole, whole_state = p.clone(), _copied(state)
+                whole, whole_state = p.clone(), copied_state(state)
                 torch_step_(whole, g, whole_state, cfg)
                 pieces = []
                 for lo, hi in zip(cuts[:-1], cuts[1:]):
@@ -363,7 +359,7 @@ def run_levels(device: str, dtype: torch.dtype) -> None:
                                  maximize=config["maximize"], stochastic_rounding=False,
                                  code=momentum_code(p, group), zero_nonfinite=config["zero"],
                                  levels_salt=step_salt(step) if config.get("dither") else None)
-                q, sq = p.clone(), _copied(state)
+                q, sq = p.clone(), copied_state(state)
                 expected_bad = torch_step_(p, g, state, cfg)
                 bad = triton_step_(q, g, sq, cfg)
                 if config["zero"]:
@@ -396,9 +392,9 @@ def run_levels_stochastic(device: str) -> None:
         cfg = StepConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
                          maximize=False, stochastic_rounding=True, code=MomentumCode.LEVELS,
                          rounding_key=rounding_key(step))
-        q, sq = p.clone(), _copied(state)
+        q, sq = p.clone(), copied_state(state)
         nearest = p.clone()
-        torch_step_(nearest, g, _copied(state), dataclasses.replace(cfg, stochastic_rounding=False, rounding_key=None))
+        torch_step_(nearest, g, copied_state(state), dataclasses.replace(cfg, stochastic_rounding=False, rounding_key=None))
         torch_step_(p, g, state, cfg)
         triton_step_(q, g, sq, cfg)
         ulp = (p.float().abs() * 2.0 ** -7).clamp(min=2.0 ** -133)  # a bf16 ulp is at most 2^-7 of |w|
@@ -532,7 +528,7 @@ def run_huge_flag(device: str) -> None:
                 cfg = StepConfig(lr=1e-2, beta1=beta1_at(0.9, 0.999, step), beta2=beta2_at(-0.8, step), eps=1e-8,
                                  weight_decay=0.0, decoupled_weight_decay=True, maximize=False, stochastic_rounding=False,
                                  code=MomentumCode.FLAG)
-                q, sq = p.clone(), _copied(state)
+                q, sq = p.clone(), copied_state(state)
                 torch_step_(p, g, state, cfg)
                 triton_step_(q, g, sq, cfg)
                 assert bool(q.isfinite().all()) and bool(sq["levels_m"].isfinite().all()), (momentum_shape, scale, step)
@@ -564,7 +560,7 @@ def run_levels_shards(device: str) -> None:
                                  code=MomentumCode.LEVELS, levels_salt=step_salt(step) if dither else None,
                                  rounding_key=rounding_key(step, 3) if rounded else None)
                 g = torch.randn(shape, generator=gen).to(device, p.dtype)
-                whole, whole_state = p.clone(), _copied(state)
+                whole, whole_state = p.clone(), copied_state(state)
                 triton_step_(whole, g, whole_state, cfg)
                 flat = levels_step_in_pieces(triton_shard_step_, p, g, state, cfg, cuts)
                 assert torch.equal(flat, whole.reshape(-1)), (shape, dither, step)
