@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import CPU_FUSED_BACKENDS, assert_unchanged, snapshot_of
+from helpers import CPU_FUSED_BACKENDS, assert_unchanged, run_script, snapshot_of
 from smmf import SMMF
 from smmf.dispatch import Kernel
 
@@ -124,6 +124,15 @@ def test_the_issue_compile_reproducer() -> None:
 
     step()
     assert o.state[p]["step"] == 1 and not torch.equal(p, before)
+
+
+def test_importing_smmf_leaves_dynamo_unloaded() -> None:
+    """The graph break on the step is dynamo's lazy disable: ``torch.compiler.disable`` imported
+    torch._dynamo with smmf, which doubled the import time of ``import torch`` in every process."""
+    out = run_script("import sys, smmf, smmf.bench.compare\n"
+                     "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"  # (torch's C extension, torch._C._dynamo, comes with torch)
 
 
 def _train(compile_backend: str | None, backend: str, steps: int = 4) -> list[torch.Tensor]:
