@@ -391,11 +391,33 @@ print(json.dumps({"hits": [sum(s.cache_hits.values()) for s in stats],
 """
 
 
-def _probe(source: str, cache_dir, **env: str) -> tuple[dict, str]:
+# A kernel of a few instructions, cached as the fused kernels are: what a process does with a broken cache
+# entry of it takes a fraction of a second to compile, where the fused kernels' compile takes many.
+_TINY_KERNEL = """
+from smmf.kernels.numba_cpu.cache import KERNEL_OPTIONS, cached_njit
+
+
+@cached_njit(**KERNEL_OPTIONS)
+def twice(x):
+    return 2.0 * x
+"""
+
+
+_TINY_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tiny_kernel import twice
+result = twice(21.25)
+print(json.dumps({"hits": sum(twice.stats.cache_hits.values()), "misses": sum(twice.stats.cache_misses.values()),
+                  "result": result}))
+"""
+
+
+def _probe(source: str, cache_dir, *args: str, **env: str) -> tuple[dict, str]:
     """Run a cache probe in a fresh process with ``cache_dir`` as numba's cache: its JSON line, its stderr."""
     import json
 
-    out = run_script(source, env={"NUMBA_CACHE_DIR": str(cache_dir), **env})
+    out = run_script(source, *args, env={"NUMBA_CACHE_DIR": str(cache_dir), **env})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -421,32 +443,62 @@ def test_the_kernels_compile_once_and_fresh_processes_load_them_from_the_cache(t
     assert runs[1]["result"] == runs[2]["result"]
 
 
-@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
 def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> None:
     """A truncated or overwritten ``.nbi``/``.nbc`` used to make every later process fail at its
     first step until the files were deleted by hand; now the process warns once, compiles, writes a
-    good entry, and the next process loads it silently. Subprocesses: a failure here can be a crash."""
+    good entry, and the next process loads it silently. On a kernel made as the fused ones are
+    (:func:`test_every_fused_kernel_survives_a_broken_cache` checks that they are). Subprocesses: a
+    failure here can be a crash."""
     import os
 
+    pytest.importorskip("numba")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tiny_kernel.py").write_text(_TINY_KERNEL)
+
     def run() -> tuple[dict, str]:
-        return _probe(_CACHE_PROBE, tmp_path, PYTHONWARNINGS="always")
+        return _probe(_TINY_PROBE, tmp_path / "cache", str(tmp_path / "src"), PYTHONWARNINGS="always")
 
     def cache_file(suffix: str):
-        return next(tmp_path.rglob(f"*_kernel_serial*.{suffix}"))
+        return next((tmp_path / "cache").rglob(f"*twice*.{suffix}"))
 
-    results = [run()[0]]
+    first, _ = run()
+    assert (first["hits"], first["misses"]) == (0, 1) and first["result"] == 42.5
     for suffix, damage in [("nbi", lambda b: b[:10]), ("nbc", lambda b: "not a cache entry é".encode("latin-1")),
                            ("nbi", lambda b: os.urandom(len(b)))]:
         target = cache_file(suffix)
         target.write_bytes(damage(target.read_bytes()))
         repaired, warned = run()
         assert "could not be read" in warned and warned.count("smmf: numba's cache") == 1, warned[-2000:]
-        assert (repaired["hits"], repaired["misses"]) == (0, 1)
-        results.append(repaired)
+        assert (repaired["hits"], repaired["misses"], repaired["result"]) == (0, 1, 42.5)
     loaded, silent = run()
     assert "smmf: numba's cache" not in silent
-    assert (loaded["hits"], loaded["misses"]) == (1, 0)
-    assert loaded["result"] in {r["result"] for r in results}
+    assert (loaded["hits"], loaded["misses"], loaded["result"]) == (1, 0, 42.5)
+
+
+def test_every_fused_kernel_survives_a_broken_cache() -> None:
+    """Each numba kernel of the library that is cached (those called from Python: the functions they
+    inline are compiled into them) is made by ``cached_njit``, whose cache reads and writes fall back
+    to a compile: one made by a bare ``numba.njit(cache=True)`` would fail at every first step after
+    its cache entry broke."""
+    pytest.importorskip("numba")
+    import importlib
+    import pkgutil
+
+    import numba.core.caching
+    import numba.core.registry
+
+    import smmf.kernels.numba_cpu as package
+
+    cached = {}
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        for name, value in vars(importlib.import_module(info.name)).items():
+            if (isinstance(value, numba.core.registry.CPUDispatcher) and value.__module__ == info.name
+                    and not isinstance(value._cache, numba.core.caching.NullCache)):
+                cached[f"{info.name}.{name}"] = value._cache
+    assert {"_kernel_serial", "many_kernel", "many_blocks_kernel"} <= {name.rsplit(".", 1)[1] for name in cached}
+    for name, cache in cached.items():
+        assert "_tolerate_broken_cache" in cache.load_overload.__qualname__, f"{name} fails on a broken cache entry"
+        assert "_tolerate_broken_cache" in cache.save_overload.__qualname__, name
 
 
 def test_a_kernel_that_numba_cannot_cache_is_compiled_instead() -> None:
