@@ -76,7 +76,7 @@ def test_cli_quick_run_writes_all_outputs(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(compare, "write_outputs", lambda results, meta, out, plots=True: writes.append(
         (len(results), meta["complete"], plots)) or write(results, meta, out, plots))
     out = tmp_path / "run"
-    assert main(["compare", "--quick", "--steps", "6", "--out", str(out), "--opt-args", "smmf:decay_rate=-0.8"]) == 0
+    assert main(["compare", "--quick", "--steps", "2", "--out", str(out), "--opt-args", "smmf:decay_rate=-0.8"]) == 0
     runs = len(DEFAULT_TASKS) * len(DEFAULT_OPTIMIZERS)  # the tables after every run (a stopped study keeps them)
     assert writes == [(k, False, False) for k in range(1, runs + 1)] + [(runs, True, True)]
     for name in ("results.md", "results.csv", "results.json", "loss.png", "metric.png", "state_memory.png"):
@@ -90,7 +90,7 @@ def test_cli_quick_run_writes_all_outputs(tmp_path, monkeypatch) -> None:
     assert "SMMF is the paper's algorithm" in table and "SMMF recommended is the recommended option" in table
     smmf = next(r for r in data["results"] if r["optimizer"] == "smmf")
     assert smmf["kwargs"]["decay_rate"] == "-0.8"
-    assert all(len(r["losses"]) == 6 for r in data["results"])
+    assert all(len(r["losses"]) == 2 for r in data["results"])
 
 
 def test_jobs_run_side_by_side_keep_the_order_and_report_every_finished_run() -> None:
