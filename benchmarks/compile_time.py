@@ -26,7 +26,8 @@ KERNELS = {"serial": passes._kernel_serial, "parallel": passes._kernel_parallel,
            "flag serial": passes._flag_kernel_serial, "flag parallel": passes._flag_kernel_parallel,
            "levels serial": levels._levels_kernel_serial, "levels parallel": levels._levels_kernel_parallel,
            "shared": passes.many_kernel, "shared blocks": passes.many_blocks_kernel}
-SHAPES = {"300×200": (300, 200), "600×600": (600, 600)}  # below and above the parallel launch's size
+SHAPES = {"300×200": (300, 200), "600×600": (600, 600)}  # below and above the parallel launches' size (the
+# paper's code takes plain fp32 tensors of both into the shared launches)
 CODES = {"paper": {}, "flag": dict(magnitude_bits=1), "levels": dict(magnitude_bits=3)}
 
 
