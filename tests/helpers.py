@@ -130,7 +130,7 @@ def levels_step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict,
     cols = weight[0].numel()
     pieces, locals_ = [], []
     for r0, r1 in zip(row_cuts[:-1], row_cuts[1:]):
-        local = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+        local = copied_state(state)
         local["codes_m"], local["scales_m"] = state["codes_m"][r0:r1].clone(), state["scales_m"][r0:r1].clone()
         piece = weight.reshape(-1)[r0 * cols : r1 * cols].clone()
         shard_step(piece, grad.reshape(-1)[r0 * cols : r1 * cols].clone(), local, cfg, r0 * cols)
@@ -162,7 +162,7 @@ def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, 
                                  stochastic_rounding=False,
                                  code=MomentumCode.NONE if beta is None else MomentumCode.SIGN)
                 g = torch.randn(shape, generator=gen).to(device, dtype)
-                whole, whole_state = p.clone(), {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+                whole, whole_state = p.clone(), copied_state(state)
                 torch_step_(whole, g, whole_state, cfg)
                 flat = step_in_pieces(shard_step, p, g, state, cfg, cuts)
                 torch.testing.assert_close(flat.float(), whole.reshape(-1).float(), rtol=tol, atol=tol)
