@@ -460,11 +460,76 @@ def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> Non
     assert (loaded["hits"], loaded["misses"], loaded["result"]) == (1, 0, 42.5)
 
 
+def test_processes_that_cache_two_signatures_at_once_keep_each_its_own_code(tmp_path) -> None:
+    """numba saves a cache entry in three unlocked steps: read the index, write it naming the entry's
+    data file (the first number the index it read does not use), write the data file. Two processes
+    saving different signatures at once both took number 1, and the index could name the other
+    signature's code: a fresh process then ran ``twice(2.5)`` with the int64 code and got 4. Threads
+    stand for the two processes here (``flock`` locks of two ``open`` calls exclude each other), and
+    hooks pause each in turn at the one order of steps that breaks the entry: both read the empty index,
+    A writes its index, B writes its index and its data, A writes its data. With the lock, each pause
+    times out and the saves take turns."""
+    pytest.importorskip("numba")
+    pytest.importorskip("fcntl")
+    import importlib.util
+    import threading
+
+    (tmp_path / "racing_kernel.py").write_text(_TINY_KERNEL)
+    spec = importlib.util.spec_from_file_location("racing_kernel", tmp_path / "racing_kernel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    twice = module.twice
+    assert (twice(2), twice(2.5)) == (4, 5.0)
+    (int_sig, float_sig), cache = list(twice.overloads), twice._cache
+    for path in (tmp_path / "__pycache__").iterdir():  # the saves below write these entries again
+        path.unlink()
+
+    files, wait = cache._cache_file, 0.3
+    b_has_read, a_wrote_index, b_is_done = threading.Event(), threading.Event(), threading.Event()
+    read_index, write_index, write_data = files._load_index, files._save_index, files._save_data
+
+    def is_a() -> bool:
+        return threading.current_thread().name == "A"
+
+    def hooked_read_index():
+        overloads = read_index()
+        if not is_a():
+            b_has_read.set()
+        return overloads
+
+    def hooked_write_index(overloads):
+        (b_has_read if is_a() else a_wrote_index).wait(wait)
+        write_index(overloads)
+        if is_a():
+            a_wrote_index.set()
+
+    def hooked_write_data(name, data):
+        if is_a():
+            b_is_done.wait(wait)
+        write_data(name, data)
+
+    def save(sig) -> None:
+        cache.save_overload(sig, twice.overloads[sig])
+        if not is_a():
+            b_is_done.set()
+
+    files._load_index, files._save_index, files._save_data = hooked_read_index, hooked_write_index, hooked_write_data
+    threads = [threading.Thread(target=save, args=(sig,), name=name) for sig, name in [(int_sig, "A"), (float_sig, "B")]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    del files._load_index, files._save_index, files._save_data
+
+    loaded = {sig: cache.load_overload(sig, twice.targetctx) for sig in (int_sig, float_sig)}
+    assert {sig: entry and entry.signature.args for sig, entry in loaded.items()} == {int_sig: int_sig, float_sig: float_sig}
+
+
 def test_every_fused_kernel_survives_a_broken_cache() -> None:
     """Each numba kernel of the library that is cached (those called from Python: the functions they
     inline are compiled into them) is made by ``cached_njit``, whose cache reads and writes fall back
-    to a compile: one made by a bare ``numba.njit(cache=True)`` would fail at every first step after
-    its cache entry broke."""
+    to a compile and take turns with other processes: one made by a bare ``numba.njit(cache=True)``
+    would fail at every first step after its cache entry broke."""
     pytest.importorskip("numba")
     import importlib
     import pkgutil
@@ -481,9 +546,17 @@ def test_every_fused_kernel_survives_a_broken_cache() -> None:
                     and not isinstance(value._cache, numba.core.caching.NullCache)):
                 cached[f"{info.name}.{name}"] = value._cache
     assert {"_kernel_serial", "many_kernel", "many_blocks_kernel"} <= {name.rsplit(".", 1)[1] for name in cached}
+    def wrappers(method) -> set[str]:
+        """The functions that ``method`` calls through its closure, down to numba's own method."""
+        names = set()
+        while getattr(method, "__closure__", None):
+            names.add(method.__qualname__.split(".")[0])
+            method = next(cell.cell_contents for cell in method.__closure__ if callable(cell.cell_contents))
+        return names
+
     for name, cache in cached.items():
-        assert "_tolerate_broken_cache" in cache.load_overload.__qualname__, f"{name} fails on a broken cache entry"
-        assert "_tolerate_broken_cache" in cache.save_overload.__qualname__, name
+        assert "_tolerate_broken_cache" in wrappers(cache.load_overload), f"{name} fails on a broken cache entry"
+        assert wrappers(cache.load_overload) == wrappers(cache.save_overload) == {"_tolerate_broken_cache", "_take_turns"}, name
 
 
 def test_a_kernel_that_numba_cannot_cache_is_compiled_instead() -> None:
