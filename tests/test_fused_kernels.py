@@ -460,52 +460,69 @@ def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> Non
     assert (loaded["hits"], loaded["misses"], loaded["result"]) == (1, 0, 42.5)
 
 
-def test_processes_that_cache_two_signatures_at_once_keep_each_its_own_code(tmp_path) -> None:
-    """numba saves a cache entry in three unlocked steps: read the index, write it naming the entry's
-    data file (the first number the index it read does not use), write the data file. Two processes
-    saving different signatures at once both took number 1, and the index could name the other
-    signature's code: a fresh process then ran ``twice(2.5)`` with the int64 code and got 4. Threads
-    stand for the two processes here (``flock`` locks of two ``open`` calls exclude each other), and
-    hooks pause each in turn at the one order of steps that breaks the entry: both read the empty index,
-    A writes its index, B writes its index and its data, A writes its data. With the lock, each pause
-    times out and the saves take turns."""
-    pytest.importorskip("numba")
-    pytest.importorskip("fcntl")
+def _save_two_signatures_at_once(tmp_path, monkeypatch, locked: bool) -> dict:
+    """numba saves a cache entry in three steps: read the index, write it naming the entry's data file
+    (the first number the index it read does not use), write the data file. Two threads stand for two
+    processes (``flock`` locks of two ``open`` calls exclude each other) and save the int64 and the
+    float64 code of a tiny kernel; hooks hold each at the one order of steps that breaks the entry:
+    both read the empty index, A writes its index, B writes its index and its data, A writes its data.
+    A hold ends early once B asks for the lock, so with the lock the saves take turns at once. Returns
+    what a load then brings for each signature: its code's signature, or None."""
     import importlib.util
     import threading
+    import time
+    import types
 
+    fcntl = pytest.importorskip("fcntl")
+    pytest.importorskip("numba")
+    from smmf.kernels.numba_cpu import cache as cache_module
+
+    b_asks_for_lock = threading.Event()
+
+    def flock(fd, operation):
+        if threading.current_thread().name == "B":
+            b_asks_for_lock.set()
+        return fcntl.flock(fd, operation)
+
+    lock = types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH, LOCK_NB=fcntl.LOCK_NB)
+    monkeypatch.setattr(cache_module, "fcntl", lock if locked else None)
+    monkeypatch.setattr(cache_module, "_broken_cache_warned", False)
     (tmp_path / "racing_kernel.py").write_text(_TINY_KERNEL)
     spec = importlib.util.spec_from_file_location("racing_kernel", tmp_path / "racing_kernel.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)  # cached_njit wraps the cache now, with the lock or without
     twice = module.twice
     assert (twice(2), twice(2.5)) == (4, 5.0)
     (int_sig, float_sig), cache = list(twice.overloads), twice._cache
-    for path in (tmp_path / "__pycache__").iterdir():  # the saves below write these entries again
+    for path in (tmp_path / "__pycache__").glob("*.nb[ic]"):  # the saves below write these entries again
         path.unlink()
 
-    files, wait = cache._cache_file, 0.3
-    b_has_read, a_wrote_index, b_is_done = threading.Event(), threading.Event(), threading.Event()
+    files = cache._cache_file
+    a_has_read, b_has_read, a_wrote_index, b_is_done = (threading.Event() for _ in range(4))
     read_index, write_index, write_data = files._load_index, files._save_index, files._save_data
+
+    def hold_until(event: threading.Event) -> None:
+        deadline = time.monotonic() + 10
+        while not (event.is_set() or b_asks_for_lock.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def is_a() -> bool:
         return threading.current_thread().name == "A"
 
     def hooked_read_index():
         overloads = read_index()
-        if not is_a():
-            b_has_read.set()
+        (a_has_read if is_a() else b_has_read).set()
         return overloads
 
     def hooked_write_index(overloads):
-        (b_has_read if is_a() else a_wrote_index).wait(wait)
+        hold_until(b_has_read if is_a() else a_wrote_index)
         write_index(overloads)
         if is_a():
             a_wrote_index.set()
 
     def hooked_write_data(name, data):
         if is_a():
-            b_is_done.wait(wait)
+            hold_until(b_is_done)
         write_data(name, data)
 
     def save(sig) -> None:
@@ -514,15 +531,61 @@ def test_processes_that_cache_two_signatures_at_once_keep_each_its_own_code(tmp_
             b_is_done.set()
 
     files._load_index, files._save_index, files._save_data = hooked_read_index, hooked_write_index, hooked_write_data
-    threads = [threading.Thread(target=save, args=(sig,), name=name) for sig, name in [(int_sig, "A"), (float_sig, "B")]]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    del files._load_index, files._save_index, files._save_data
-
+    a, b = (threading.Thread(target=save, args=(sig,), name=name) for sig, name in [(int_sig, "A"), (float_sig, "B")])
+    try:
+        a.start()
+        a_has_read.wait(10)
+        b.start()
+        a.join()
+        b.join()
+    finally:
+        del files._load_index, files._save_index, files._save_data
     loaded = {sig: cache.load_overload(sig, twice.targetctx) for sig in (int_sig, float_sig)}
-    assert {sig: entry and entry.signature.args for sig, entry in loaded.items()} == {int_sig: int_sig, float_sig: float_sig}
+    return {sig: entry and tuple(entry.signature.args) for sig, entry in loaded.items()}
+
+
+def test_processes_that_cache_two_signatures_at_once_keep_each_its_own_code(tmp_path, monkeypatch) -> None:
+    """Unlocked, both saves took number 1 and the index named the int64 code for float64: a fresh
+    process then ran ``twice(2.5)`` with the int64 code and got 4. The saves now take turns."""
+    found = _save_two_signatures_at_once(tmp_path, monkeypatch, locked=True)
+    assert found == {sig: sig for sig in found}
+
+
+def test_an_entry_holding_another_signatures_code_is_compiled_again(tmp_path, monkeypatch) -> None:
+    """Where saves cannot lock (no ``fcntl``, a filesystem without locks) or an older version broke
+    the entry, a load checks that the code is the signature's own; the wrong code is a broken entry."""
+    with pytest.warns(RuntimeWarning, match="holds the code of"):
+        found = _save_two_signatures_at_once(tmp_path, monkeypatch, locked=False)
+    assert found == {sig: None for sig in found}  # one entry lost to the race, one dropped as wrong
+
+
+def test_a_forked_child_does_not_keep_the_cache_lock(tmp_path) -> None:
+    """A child forked while the lock is held shares the lock file, and with it the lock: it used to keep
+    every other process's saves waiting until it exited."""
+    import signal
+    import time
+
+    fcntl = pytest.importorskip("fcntl")
+    pytest.importorskip("numba")
+    from smmf.kernels.numba_cpu import cache
+
+    started, tell_started = os.pipe()
+    with cache._cache_lock(str(tmp_path), exclusive=True):
+        child = os.fork()
+        if child == 0:  # fork's hooks have run when fork returns here
+            os.write(tell_started, b"!")
+            time.sleep(30)
+            os._exit(0)
+    assert os.read(started, 1) == b"!"
+    fd = os.open(tmp_path / cache._LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while the child holds it
+    finally:
+        os.close(fd)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(started)
+        os.close(tell_started)
 
 
 def test_every_fused_kernel_survives_a_broken_cache() -> None:
@@ -532,6 +595,7 @@ def test_every_fused_kernel_survives_a_broken_cache() -> None:
     would fail at every first step after its cache entry broke."""
     pytest.importorskip("numba")
     import importlib
+    import importlib.util
     import pkgutil
 
     import numba.core.caching
@@ -554,9 +618,10 @@ def test_every_fused_kernel_survives_a_broken_cache() -> None:
             method = next(cell.cell_contents for cell in method.__closure__ if callable(cell.cell_contents))
         return names
 
+    expected = {"_tolerate_broken_cache"} | ({"_take_turns"} if importlib.util.find_spec("fcntl") else set())
     for name, cache in cached.items():
         assert "_tolerate_broken_cache" in wrappers(cache.load_overload), f"{name} fails on a broken cache entry"
-        assert wrappers(cache.load_overload) == wrappers(cache.save_overload) == {"_tolerate_broken_cache", "_take_turns"}, name
+        assert wrappers(cache.load_overload) == wrappers(cache.save_overload) == expected, name
 
 
 def test_a_kernel_that_numba_cannot_cache_is_compiled_instead() -> None:

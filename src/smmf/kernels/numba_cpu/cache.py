@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numba
+from numba.core.sigutils import normalize_signature
 
 try:
     import fcntl
@@ -33,8 +35,8 @@ def cached_njit(**options: Any) -> Any:
             dispatcher = numba.njit(cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
             return numba.njit(**options)(fn)
-        _take_turns(dispatcher)
         _tolerate_broken_cache(dispatcher)
+        _take_turns(dispatcher)  # outermost: a broken entry's index is dropped under the lock
         return dispatcher
 
     return jit
@@ -43,18 +45,23 @@ def cached_njit(**options: Any) -> Any:
 _broken_cache_warned = False
 
 
-def _warn_broken_cache(action: str, error: BaseException) -> None:
+def _warn_broken_cache(action: str, error: BaseException, instead: str = "compiling them instead") -> None:
     global _broken_cache_warned
     if not _broken_cache_warned:
         _broken_cache_warned = True
         warnings.warn(f"smmf: numba's cache of the fused kernels could not be {action} ({type(error).__name__}: "
-                      f"{error}); compiling them instead. Warned once per process.", RuntimeWarning, stacklevel=2)
+                      f"{error}); {instead}. Warned once per process.", RuntimeWarning, stacklevel=2)
+
+
+class _WrongEntry(LookupError):
+    """The cache's index names code compiled for another signature (left by an unlocked save)."""
 
 
 def _tolerate_broken_cache(dispatcher: Any) -> None:
     """A truncated or overwritten cache file (index or data) makes numba raise at the first call of
-    every later process (``UnpicklingError``, ``EOFError``, an LLVM bitcode error, ...). Here a load
-    that fails warns once, drops the index so that the fresh compile writes a new entry, and
+    every later process (``UnpicklingError``, ``EOFError``, an LLVM bitcode error, ...), and an index
+    that names another signature's code would run that code. Here a load that fails or brings the
+    wrong signature warns once, drops the index so that the fresh compile writes a new entry, and
     compiles; a save that fails keeps the compiled kernel uncached."""
     cache = getattr(dispatcher, "_cache", None)
     if cache is None or not hasattr(cache, "load_overload"):
@@ -63,7 +70,10 @@ def _tolerate_broken_cache(dispatcher: Any) -> None:
 
     def load_overload(sig: Any, target_context: Any) -> Any:
         try:
-            return load(sig, target_context)
+            loaded = load(sig, target_context)
+            if loaded is not None and tuple(loaded.signature.args) != tuple(normalize_signature(sig)[0]):
+                raise _WrongEntry(f"the entry for {sig} holds the code of {loaded.signature.args}")
+            return loaded
         except Exception as error:  # noqa: BLE001 - any unreadable entry: compile instead
             _warn_broken_cache("read", error)
             with contextlib.suppress(OSError, AttributeError):
@@ -79,21 +89,68 @@ def _tolerate_broken_cache(dispatcher: Any) -> None:
     cache.load_overload, cache.save_overload = load_overload, save_overload
 
 
+# The lock is a file in the cache directory, opened for writing where it can be: NFS emulates
+# ``flock`` with byte-range locks, and an exclusive one needs a file open for writing.
+_LOCK_FILE = "smmf-cache.lock"
+# A lock held longer than this (a stopped process, a debugger) is waited out with one warning.
+_LOCK_PATIENCE_S = 60.0
+_held_lock_fds: set[int] = set()
+
+
+def _drop_locks_in_child() -> None:
+    """A forked child shares the parent's open lock files, and with them the locks: closing its copies
+    lets the parent's ``close`` release them (unlocking would release the parent's lock too)."""
+    for fd in _held_lock_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_lock_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
+def _open_lock_file(directory: str) -> int | None:
+    path = os.path.join(directory, _LOCK_FILE)
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # read-only cache dirs: shared locks only
+        with contextlib.suppress(OSError):
+            return os.open(path, flags, 0o666)
+    return None
+
+
+def _lock(fd: int, exclusive: bool) -> None:
+    assert fcntl is not None
+    operation = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    deadline = time.monotonic() + _LOCK_PATIENCE_S
+    while True:
+        try:
+            fcntl.flock(fd, operation)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                _warn_broken_cache("locked", TimeoutError(f"held elsewhere for {_LOCK_PATIENCE_S:.0f} s"),
+                                   "going on without the lock")
+                return
+            time.sleep(0.005)
+        except OSError:  # a filesystem without locks: as numba alone
+            return
+
+
 @contextlib.contextmanager
-def _directory_lock(path: str, exclusive: bool) -> Iterator[None]:
-    """``flock`` on the cache directory, held while the block runs. Where there is no directory, no
-    ``fcntl`` or no lock on this filesystem, the block runs unlocked, as numba's own cache does."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+def _cache_lock(directory: str, exclusive: bool) -> Iterator[None]:
+    """The cache directory's lock, held while the block runs: exclusive to save, shared to load.
+    Where there is no ``fcntl`` (Windows), no lock file can be opened or the filesystem has no
+    locks, the block runs unlocked, as numba's own cache does."""
+    fd = _open_lock_file(directory) if fcntl is not None else None
+    if fd is None:
         yield
         return
+    _held_lock_fds.add(fd)
     try:
-        if fcntl is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        _lock(fd, exclusive)
         yield
     finally:
+        _held_lock_fds.discard(fd)
         os.close(fd)  # and with it the lock
 
 
@@ -110,13 +167,15 @@ def _take_turns(dispatcher: Any) -> None:
     load, save = cache.load_overload, cache.save_overload
 
     def load_overload(sig: Any, target_context: Any) -> Any:
-        with _directory_lock(cache._cache_path, exclusive=False):
+        if not os.path.isdir(cache._cache_path):  # nothing cached yet: nothing to lock
+            return load(sig, target_context)
+        with _cache_lock(cache._cache_path, exclusive=False):
             return load(sig, target_context)
 
     def save_overload(sig: Any, data: Any) -> None:
-        with contextlib.suppress(OSError):
-            cache._impl.locator.ensure_cache_path()
-        with _directory_lock(cache._cache_path, exclusive=True):
+        with contextlib.suppress(OSError):  # numba's save reports what fails here
+            os.makedirs(cache._cache_path, exist_ok=True)
+        with _cache_lock(cache._cache_path, exclusive=True):
             save(sig, data)
 
     cache.load_overload, cache.save_overload = load_overload, save_overload
