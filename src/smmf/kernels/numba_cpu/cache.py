@@ -159,8 +159,8 @@ def _take_turns(dispatcher: Any) -> None:
     data file name (the first number the index it read does not use), write the data file. Two
     processes that save different signatures of one kernel at once can both pick number 1, and the
     index may end up naming the other signature's data: every later process then loads, for that
-    signature, code compiled for the other one (a float kernel run as an int one). So a save holds an
-    exclusive lock on the cache directory, and a load a shared one."""
+    signature, code compiled for the other one (a float kernel run as an int one). So a save holds the
+    cache directory's lock (:func:`_cache_lock`) exclusively, and a load shares it."""
     cache = getattr(dispatcher, "_cache", None)
     if cache is None or not hasattr(cache, "load_overload") or fcntl is None:
         return
