@@ -486,7 +486,7 @@ def _save_two_signatures_at_once(tmp_path, monkeypatch, locked: bool) -> dict:
 
     lock = types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH, LOCK_NB=fcntl.LOCK_NB)
     monkeypatch.setattr(cache_module, "fcntl", lock if locked else None)
-    monkeypatch.setattr(cache_module, "_broken_cache_warned", False)
+    monkeypatch.setattr(cache_module, "_cache_warned", set())
     (tmp_path / "racing_kernel.py").write_text(_TINY_KERNEL)
     spec = importlib.util.spec_from_file_location("racing_kernel", tmp_path / "racing_kernel.py")
     module = importlib.util.module_from_spec(spec)

@@ -42,13 +42,14 @@ def cached_njit(**options: Any) -> Any:
     return jit
 
 
-_broken_cache_warned = False
+# What went wrong so far in this process ("read", "written", "locked"): each is warned once, so that a
+# lock waited out does not hide a broken entry.
+_cache_warned: set[str] = set()
 
 
 def _warn_broken_cache(action: str, error: BaseException, instead: str = "compiling them instead") -> None:
-    global _broken_cache_warned
-    if not _broken_cache_warned:
-        _broken_cache_warned = True
+    if action not in _cache_warned:
+        _cache_warned.add(action)
         warnings.warn(f"smmf: numba's cache of the fused kernels could not be {action} ({type(error).__name__}: "
                       f"{error}); {instead}. Warned once per process.", RuntimeWarning, stacklevel=2)
 
