@@ -69,7 +69,7 @@ def test_opt_args_parse_and_reject() -> None:
 
 def test_the_default_run_is_every_default_task_and_optimizer(tmp_path) -> None:
     """What ``smmf compare`` runs with no arguments (the README's main job); each default optimizer trains
-    above, and the default tasks through the CLI below."""
+    in-process on the CNN and with the LM settings, and the default tasks run through the CLI below."""
     from smmf.bench.compare import build_parser, check_args
 
     tasks, optimizers, *_ = check_args(build_parser().parse_args(["--out", str(tmp_path)]))
@@ -322,6 +322,16 @@ def _two_layer_task() -> Task:
 
     return Task("two-layer", "transformer", "loss", False, 8, build, batches, loss,
                 lambda model, device: {"loss": loss(model, next(batches(99, device))).item()})
+
+
+@pytest.mark.parametrize("name", DEFAULT_OPTIMIZERS)
+def test_every_default_optimizer_trains_with_the_lm_settings(name: str) -> None:
+    """The default run's LM task builds each optimizer with its Transformer settings (Adafactor's fixed lr and
+    warmup, for one), not the CNN's."""
+    result = train_one(_two_layer_task(), name, {}, steps=8, eval_every=8, seed=0, device=torch.device("cpu"),
+                       show_progress=False)
+    assert not result["diverged"] and result["losses"][-1] < result["losses"][0]
+    assert result["state_bytes"] > 0
 
 
 @pytest.mark.parametrize("name", list(PEERS))
