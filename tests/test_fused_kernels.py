@@ -460,6 +460,76 @@ def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> Non
     assert (loaded["hits"], loaded["misses"], loaded["result"]) == (1, 0, 42.5)
 
 
+# The tiny kernel with a compile that waits: while it is typed, a process run with HOLD_COMPILE=path
+# makes path.compiling and waits (at most a minute) for path.go.
+_HELD_KERNEL = """
+import os, time
+from numba.extending import intrinsic
+from smmf.kernels.numba_cpu.cache import KERNEL_OPTIONS, cached_njit
+
+
+@intrinsic
+def held(typingctx, x):
+    hold = os.environ.get("HOLD_COMPILE")
+    if hold:
+        open(hold + ".compiling", "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(hold + ".go") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return x(x), lambda context, builder, signature, args: args[0]
+
+
+@cached_njit(**KERNEL_OPTIONS)
+def twice(x):
+    return 2.0 * held(x)
+"""
+
+
+def test_processes_that_need_one_uncached_signature_compile_it_once(tmp_path) -> None:
+    """The ranks of a first distributed run on a machine (or two test workers) used to compile every kernel
+    signature that none had cached yet, each of them: up to a minute of CPU apiece for the largest kernels.
+    Now the first process compiles it and the others wait, then load what it saved. Here the first one's
+    compile is held until the second has reached its own."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    pytest.importorskip("numba")
+    pytest.importorskip("fcntl")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tiny_kernel.py").write_text(_HELD_KERNEL)
+    hold, ready = tmp_path / "hold", tmp_path / "second.ready"
+    probe = textwrap.dedent(_TINY_PROBE).replace("result = twice", "import os; open(os.environ['READY'], 'w').close()\n"
+                                                                   "result = twice")
+
+    def start(**env: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", probe, str(tmp_path / "src")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), **env})
+
+    def wait_for(path, process: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, f"no {path.name}"
+            time.sleep(0.02)
+
+    first = start(HOLD_COMPILE=str(hold), READY=str(tmp_path / "first.ready"))
+    wait_for(tmp_path / "hold.compiling", first)
+    second = start(READY=str(ready))
+    wait_for(ready, second)
+    time.sleep(1.0)  # the second process asks for the signature meanwhile
+    (tmp_path / "hold.go").touch()
+    found = []
+    for process in (first, second):
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        found.append(json.loads(out.strip().splitlines()[-1]))
+    assert [(r["hits"], r["misses"], r["result"]) for r in found] == [(0, 1, 42.5), (1, 0, 42.5)]
+
+
 def _save_two_signatures_at_once(tmp_path, monkeypatch, locked: bool) -> dict:
     """numba saves a cache entry in three steps: read the index, write it naming the entry's data file
     (the first number the index it read does not use), write the data file. Two threads stand for two
@@ -591,8 +661,9 @@ def test_a_forked_child_does_not_keep_the_cache_lock(tmp_path) -> None:
 def test_every_fused_kernel_survives_a_broken_cache() -> None:
     """Each numba kernel of the library that is cached (those called from Python: the functions they
     inline are compiled into them) is made by ``cached_njit``, whose cache reads and writes fall back
-    to a compile and take turns with other processes: one made by a bare ``numba.njit(cache=True)``
-    would fail at every first step after its cache entry broke."""
+    to a compile and take turns with other processes, and whose compiles happen once across processes:
+    one made by a bare ``numba.njit(cache=True)`` would fail at every first step after its cache entry
+    broke."""
     pytest.importorskip("numba")
     import importlib
     import importlib.util
@@ -608,7 +679,7 @@ def test_every_fused_kernel_survives_a_broken_cache() -> None:
         for name, value in vars(importlib.import_module(info.name)).items():
             if (isinstance(value, numba.core.registry.CPUDispatcher) and value.__module__ == info.name
                     and not isinstance(value._cache, numba.core.caching.NullCache)):
-                cached[f"{info.name}.{name}"] = value._cache
+                cached[f"{info.name}.{name}"] = value
     assert {"_kernel_serial", "many_kernel", "many_blocks_kernel"} <= {name.rsplit(".", 1)[1] for name in cached}
     def wrappers(method) -> set[str]:
         """The functions that ``method`` calls through its closure, down to numba's own method."""
@@ -618,10 +689,13 @@ def test_every_fused_kernel_survives_a_broken_cache() -> None:
             method = next(cell.cell_contents for cell in method.__closure__ if callable(cell.cell_contents))
         return names
 
-    expected = {"_tolerate_broken_cache"} | ({"_take_turns"} if importlib.util.find_spec("fcntl") else set())
-    for name, cache in cached.items():
+    locks = importlib.util.find_spec("fcntl") is not None
+    expected = {"_tolerate_broken_cache"} | ({"_take_turns"} if locks else set())
+    for name, kernel in cached.items():
+        cache = kernel._cache
         assert "_tolerate_broken_cache" in wrappers(cache.load_overload), f"{name} fails on a broken cache entry"
         assert wrappers(cache.load_overload) == wrappers(cache.save_overload) == expected, name
+        assert wrappers(kernel.compile) == ({"_compile_once"} if locks else set()), f"{name} compiles in every process"
 
 
 def test_a_kernel_that_numba_cannot_cache_is_compiled_instead() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 import warnings
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numba
+from numba.core.compiler_lock import global_compiler_lock
 from numba.core.sigutils import normalize_signature
 
 try:
@@ -27,8 +29,9 @@ def cached_njit(**options: Any) -> Any:
     """``numba.njit`` with ``cache=True``: compiled once per machine and source version, then loaded
     in every process (in ``__pycache__`` beside this file, else numba's user-wide cache dir, or
     ``NUMBA_CACHE_DIR``). Where numba finds no writable place it compiles in every process instead;
-    a cache entry that cannot be read is compiled again (:func:`_tolerate_broken_cache`), and
-    processes that write the cache at once take turns (:func:`_take_turns`)."""
+    a cache entry that cannot be read is compiled again (:func:`_tolerate_broken_cache`),
+    processes that write the cache at once take turns (:func:`_take_turns`), and processes that need
+    one signature before it is cached compile it once (:func:`_compile_once`)."""
 
     def jit(fn: Any) -> Any:
         try:
@@ -37,6 +40,7 @@ def cached_njit(**options: Any) -> Any:
             return numba.njit(**options)(fn)
         _tolerate_broken_cache(dispatcher)
         _take_turns(dispatcher)  # outermost: a broken entry's index is dropped under the lock
+        _compile_once(dispatcher)
         return dispatcher
 
     return jit
@@ -95,6 +99,9 @@ def _tolerate_broken_cache(dispatcher: Any) -> None:
 _LOCK_FILE = "smmf-cache.lock"
 # A lock held longer than this (a stopped process, a debugger) is waited out with one warning.
 _LOCK_PATIENCE_S = 60.0
+# Another process's compile of a signature is waited for this long at most, then compiled here too (the
+# largest kernels take a minute of CPU to compile, more on a loaded machine).
+_COMPILE_PATIENCE_S = 300.0
 _held_lock_fds: set[int] = set()
 
 
@@ -111,26 +118,27 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
-def _open_lock_file(directory: str) -> int | None:
-    path = os.path.join(directory, _LOCK_FILE)
+def _open_lock_file(directory: str, name: str) -> int | None:
+    path = os.path.join(directory, name)
     for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # read-only cache dirs: shared locks only
         with contextlib.suppress(OSError):
             return os.open(path, flags, 0o666)
     return None
 
 
-def _lock(fd: int, exclusive: bool) -> None:
+def _lock(fd: int, exclusive: bool, patience: float, warn: bool) -> None:
     assert fcntl is not None
     operation = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-    deadline = time.monotonic() + _LOCK_PATIENCE_S
+    deadline = time.monotonic() + patience
     while True:
         try:
             fcntl.flock(fd, operation)
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                _warn_broken_cache("locked", TimeoutError(f"held elsewhere for {_LOCK_PATIENCE_S:.0f} s"),
-                                   "going on without the lock")
+                if warn:
+                    _warn_broken_cache("locked", TimeoutError(f"held elsewhere for {patience:.0f} s"),
+                                       "going on without the lock")
                 return
             time.sleep(0.005)
         except OSError:  # a filesystem without locks: as numba alone
@@ -138,17 +146,19 @@ def _lock(fd: int, exclusive: bool) -> None:
 
 
 @contextlib.contextmanager
-def _cache_lock(directory: str, exclusive: bool) -> Iterator[None]:
-    """The cache directory's lock, held while the block runs: exclusive to save, shared to load.
-    Where there is no ``fcntl`` (Windows), no lock file can be opened or the filesystem has no
-    locks, the block runs unlocked, as numba's own cache does."""
-    fd = _open_lock_file(directory) if fcntl is not None else None
+def _cache_lock(directory: str, exclusive: bool, name: str = _LOCK_FILE, patience: float = _LOCK_PATIENCE_S,
+                warn: bool = True) -> Iterator[None]:
+    """A lock file ``name`` of the cache directory, held while the block runs; by default the cache's
+    own lock: exclusive to save, shared to load. A lock held elsewhere longer than ``patience`` is
+    waited out (with one warning if ``warn``). Where there is no ``fcntl`` (Windows), no lock file can
+    be opened or the filesystem has no locks, the block runs unlocked, as numba's own cache does."""
+    fd = _open_lock_file(directory, name) if fcntl is not None else None
     if fd is None:
         yield
         return
     _held_lock_fds.add(fd)
     try:
-        _lock(fd, exclusive)
+        _lock(fd, exclusive, patience, warn)
         yield
     finally:
         _held_lock_fds.discard(fd)
@@ -180,3 +190,38 @@ def _take_turns(dispatcher: Any) -> None:
             save(sig, data)
 
     cache.load_overload, cache.save_overload = load_overload, save_overload
+
+
+def _compile_once(dispatcher: Any) -> None:
+    """Processes that need a signature no one has cached yet each compiled it: the ranks of a first
+    distributed run on a machine, two test workers, up to a minute of CPU apiece for the largest
+    kernels. Now a compile holds a lock file of its own for that kernel and signature: the first
+    process compiles and saves, the others wait for it and load what it saved. Other signatures
+    compile meanwhile. numba's in-process compiler lock (which its compile takes anyway) is taken
+    before the file lock: two threads of one process that each held one and waited for the other
+    would never go on. A compile that reaches the same signature again inside its own (numba types a
+    call between kernels by compiling the callee) does not lock it twice."""
+    cache: Any = getattr(dispatcher, "_cache", None)
+    if getattr(cache, "_cache_file", None) is None or fcntl is None:  # uncached (numba's NullCache), Windows
+        return
+    compile_here = dispatcher.compile
+    held: set[str] = set()
+
+    def compile_once(sig: Any) -> Any:
+        args = tuple(normalize_signature(sig)[0])
+        key = hashlib.sha256(f"{cache._cache_file._index_name} {args}".encode()).hexdigest()[:20]
+        name = f"smmf-compile-{key}.lock"
+        with global_compiler_lock:
+            if args in dispatcher.overloads or name in held:
+                return compile_here(sig)
+            with contextlib.suppress(OSError):  # the lock file's directory; numba's save reports what fails
+                os.makedirs(cache._cache_path, exist_ok=True)
+            held.add(name)
+            try:
+                with _cache_lock(cache._cache_path, exclusive=True, name=name, patience=_COMPILE_PATIENCE_S,
+                                 warn=False):
+                    return compile_here(sig)
+            finally:
+                held.discard(name)
+
+    dispatcher.compile = compile_once
