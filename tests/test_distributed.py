@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 
@@ -23,8 +24,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(worker, tmp_path, *extra) -> None:
-    mp.spawn(worker, args=(WORLD, _free_port(), str(tmp_path), *extra), nprocs=WORLD, join=True)
+# Ranks fork from a server process that has imported torch, smmf and the workers once (multiprocessing's
+# forkserver) instead of each starting an interpreter and importing them (spawn). A server's children have
+# the environment it started with: a test that sets what its ranks read at start spawns them.
+_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+multiprocessing.set_forkserver_preload(["dist_workers", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                                        "torch.nn.parallel"])
+
+
+def _ranks(worker, world: int, *args, start_method: str = _START) -> None:
+    """``worker(rank, world, port, *args)`` on ``world`` ranks, until every one has returned."""
+    mp.start_processes(worker, args=(world, _free_port(), *args), nprocs=world, join=True, start_method=start_method)
+
+
+def _spawn(worker, tmp_path, *extra, start_method: str = _START) -> None:
+    _ranks(worker, WORLD, str(tmp_path), *extra, start_method=start_method)
 
 
 def test_ddp_matches_single_process(tmp_path) -> None:
@@ -157,7 +171,7 @@ def test_fsdp2_shards_take_the_fused_pass_without_temporaries(tmp_path, monkeypa
     """A shard's step used to go through the torch path (~4× the shard in temporaries), the magnitude
     flag's too."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # large temporaries visible to RSS
-    _spawn(dist_workers.fsdp2_peak_worker, tmp_path, options)
+    _spawn(dist_workers.fsdp2_peak_worker, tmp_path, options, start_method="spawn")
     extra = torch.load(tmp_path / "fsdp2_peak.pt")
     assert extra["auto"] < 0.05
     assert extra["torch"] > 1.0  # the measurement does see shard-sized temporaries
@@ -220,8 +234,7 @@ IN_BACKWARD = [
                               for kind, world, k, options in IN_BACKWARD])
 def test_step_in_backward_matches_the_ordinary_loop(tmp_path, kind: str, world: int, k: int, options: dict) -> None:
     """Was refused under any process group of more than one rank."""
-    mp.spawn(dist_workers.step_in_backward_worker, args=(world, _free_port(), str(tmp_path), kind, options, k),
-             nprocs=world, join=True)
+    _ranks(dist_workers.step_in_backward_worker, world, str(tmp_path), kind, options, k)
     result = torch.load(tmp_path / "in_backward.pt")
     ordinary, inside = result[False], result[True]
     assert ordinary["clipped"] > 0 if "clip" in options else ordinary["clipped"] == 0
@@ -273,11 +286,9 @@ def test_fsdp2_checkpoint_loads_on_other_numbers_of_ranks(tmp_path, options: dic
     The flag: sign and flag bits, partial rows of the square view; the levels code: codes and scales by rows
     of the param (Shard(0) DTensors that DCP reshards), a vector's replicated."""
     for saved_on, loaded_on in ((2, (1, 3, 4)), (3, (1, 2))):
-        mp.spawn(dist_workers.reshard_save_worker, args=(saved_on, _free_port(), str(tmp_path), options),
-                 nprocs=saved_on, join=True)
+        _ranks(dist_workers.reshard_save_worker, saved_on, str(tmp_path), options)
         for world in loaded_on:
-            mp.spawn(dist_workers.reshard_load_worker, args=(world, _free_port(), str(tmp_path), options, saved_on),
-                     nprocs=world, join=True)
+            _ranks(dist_workers.reshard_load_worker, world, str(tmp_path), options, saved_on)
         one = torch.load(tmp_path / f"loaded-{saved_on}-on-1.pt")
         start = dist_workers.make_net()
         assert all(not torch.equal(p, p0.detach()) for p, p0 in zip(one["params"], start.parameters()))
