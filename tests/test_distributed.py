@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -24,12 +25,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Ranks fork from a server process that has imported torch, smmf and the workers once (multiprocessing's
-# forkserver) instead of each starting an interpreter and importing them (spawn). A server's children have
-# the environment it started with: a test that sets what its ranks read at start spawns them.
-_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-multiprocessing.set_forkserver_preload(["dist_workers", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-                                        "torch.nn.parallel"])
+# On Linux, ranks fork from a server process that has imported torch and smmf once (multiprocessing's
+# forkserver) instead of each starting an interpreter and importing them (spawn). The server does not see the
+# tests' sys.path before Python 3.12.x (cpython gh-117378), so the workers' own module is not preloaded. A
+# server's children have the environment it started with: a test that sets what its ranks read at start
+# spawns them.
+_START = "forkserver" if sys.platform.startswith("linux") else "spawn"
+if _START == "forkserver":
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                                            "torch.nn.parallel", "smmf"])
 
 
 def _ranks(worker, world: int, *args, start_method: str = _START) -> None:

@@ -422,10 +422,10 @@ def test_the_kernels_compile_once_and_fresh_processes_load_them_from_the_cache(t
     So are the shared launches: a model of small fp32 tensors took a 4 s compile of theirs in every
     process."""
     runs = [_probe(_CACHE_PROBE, tmp_path)[0] for _ in range(3)]
-    assert [(r["hits"], r["misses"]) for r in runs] == [([0, 0, 0], [1, 1, 1])] + [([1, 1, 1], [0, 0, 0])] * 2
+    # The first compiles each kernel, saves it and then runs it as loaded (a hit too), as the others do.
+    assert [(r["hits"], r["misses"]) for r in runs] == [([1, 1, 1], [1, 1, 1])] + [([1, 1, 1], [0, 0, 0])] * 2
     assert any(tmp_path.rglob("*.nbc"))
-    # Processes that load the kernels compute the same bits (the compiling one may differ in the last bit).
-    assert runs[1]["result"] == runs[2]["result"]
+    assert runs[0]["result"] == runs[1]["result"] == runs[2]["result"]
 
 
 def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> None:
@@ -447,14 +447,14 @@ def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> Non
         return next((tmp_path / "cache").rglob(f"*twice*.{suffix}"))
 
     first, _ = run()
-    assert (first["hits"], first["misses"]) == (0, 1) and first["result"] == 42.5
+    assert (first["hits"], first["misses"]) == (1, 1) and first["result"] == 42.5  # compiled, then loaded
     for suffix, damage in [("nbi", lambda b: b[:10]), ("nbc", lambda b: "not a cache entry é".encode("latin-1")),
                            ("nbi", lambda b: os.urandom(len(b)))]:
         target = cache_file(suffix)
         target.write_bytes(damage(target.read_bytes()))
         repaired, warned = run()
         assert "could not be read" in warned and warned.count("smmf: numba's cache") == 1, warned[-2000:]
-        assert (repaired["hits"], repaired["misses"], repaired["result"]) == (0, 1, 42.5)
+        assert (repaired["hits"], repaired["misses"], repaired["result"]) == (1, 1, 42.5)
     loaded, silent = run()
     assert "smmf: numba's cache" not in silent
     assert (loaded["hits"], loaded["misses"], loaded["result"]) == (1, 0, 42.5)
@@ -527,7 +527,7 @@ def test_processes_that_need_one_uncached_signature_compile_it_once(tmp_path) ->
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-3000:]
         found.append(json.loads(out.strip().splitlines()[-1]))
-    assert [(r["hits"], r["misses"], r["result"]) for r in found] == [(0, 1, 42.5), (1, 0, 42.5)]
+    assert [(r["hits"], r["misses"], r["result"]) for r in found] == [(1, 1, 42.5), (1, 0, 42.5)]
 
 
 def _save_two_signatures_at_once(tmp_path, monkeypatch, locked: bool) -> dict:
@@ -557,6 +557,8 @@ def _save_two_signatures_at_once(tmp_path, monkeypatch, locked: bool) -> dict:
     lock = types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH, LOCK_NB=fcntl.LOCK_NB)
     monkeypatch.setattr(cache_module, "fcntl", lock if locked else None)
     monkeypatch.setattr(cache_module, "_cache_warned", set())
+    # The saves below write the compiled code again: keep it (code loaded from the cache cannot be saved).
+    monkeypatch.setattr(cache_module, "_run_the_saved_entry", lambda dispatcher, args, sig, entry: entry)
     (tmp_path / "racing_kernel.py").write_text(_TINY_KERNEL)
     spec = importlib.util.spec_from_file_location("racing_kernel", tmp_path / "racing_kernel.py")
     module = importlib.util.module_from_spec(spec)

@@ -100,7 +100,7 @@ _LOCK_FILE = "smmf-cache.lock"
 # A lock held longer than this (a stopped process, a debugger) is waited out with one warning.
 _LOCK_PATIENCE_S = 60.0
 # Another process's compile of a signature is waited for this long at most, then compiled here too (the
-# largest kernels take a minute of CPU to compile, more on a loaded machine).
+# largest kernels take about 30 s of CPU to compile, more on a loaded machine).
 _COMPILE_PATIENCE_S = 300.0
 _held_lock_fds: set[int] = set()
 
@@ -126,15 +126,21 @@ def _open_lock_file(directory: str, name: str) -> int | None:
     return None
 
 
-def _lock(fd: int, exclusive: bool, patience: float, warn: bool) -> None:
+def _lock(fd: int, exclusive: bool, patience: float, warn: bool, waiting: str | None = None) -> None:
     assert fcntl is not None
     operation = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-    deadline = time.monotonic() + patience
+    start = time.monotonic()
+    deadline = start + patience
     while True:
         try:
             fcntl.flock(fd, operation)
             return
         except BlockingIOError:
+            if waiting is not None and time.monotonic() > start + _LOCK_PATIENCE_S and "waiting" not in _cache_warned:
+                _cache_warned.add("waiting")  # a long wait says why this process stands still, once
+                warnings.warn(f"smmf: waiting for {waiting} (held for {_LOCK_PATIENCE_S:.0f} s so far, up to "
+                              f"{patience:.0f} s, then compiling here). Warned once per process.", RuntimeWarning,
+                              stacklevel=2)
             if time.monotonic() > deadline:
                 if warn:
                     _warn_broken_cache("locked", TimeoutError(f"held elsewhere for {patience:.0f} s"),
@@ -147,18 +153,19 @@ def _lock(fd: int, exclusive: bool, patience: float, warn: bool) -> None:
 
 @contextlib.contextmanager
 def _cache_lock(directory: str, exclusive: bool, name: str = _LOCK_FILE, patience: float = _LOCK_PATIENCE_S,
-                warn: bool = True) -> Iterator[None]:
+                warn: bool = True, waiting: str | None = None) -> Iterator[None]:
     """A lock file ``name`` of the cache directory, held while the block runs; by default the cache's
     own lock: exclusive to save, shared to load. A lock held elsewhere longer than ``patience`` is
-    waited out (with one warning if ``warn``). Where there is no ``fcntl`` (Windows), no lock file can
-    be opened or the filesystem has no locks, the block runs unlocked, as numba's own cache does."""
+    waited out (with one warning if ``warn``); with ``waiting``, a wait past :data:`_LOCK_PATIENCE_S`
+    says once what it waits for. Where there is no ``fcntl`` (Windows), no lock file can be opened or
+    the filesystem has no locks, the block runs unlocked, as numba's own cache does."""
     fd = _open_lock_file(directory, name) if fcntl is not None else None
     if fd is None:
         yield
         return
     _held_lock_fds.add(fd)
     try:
-        _lock(fd, exclusive, patience, warn)
+        _lock(fd, exclusive, patience, warn, waiting)
         yield
     finally:
         _held_lock_fds.discard(fd)
@@ -194,23 +201,29 @@ def _take_turns(dispatcher: Any) -> None:
 
 def _compile_once(dispatcher: Any) -> None:
     """Processes that need a signature no one has cached yet each compiled it: the ranks of a first
-    distributed run on a machine, two test workers, up to a minute of CPU apiece for the largest
+    distributed run on a machine, two test workers, up to about 30 s of CPU apiece for the largest
     kernels. Now a compile holds a lock file of its own for that kernel and signature: the first
-    process compiles and saves, the others wait for it and load what it saved. Other signatures
-    compile meanwhile. numba's in-process compiler lock (which its compile takes anyway) is taken
-    before the file lock: two threads of one process that each held one and waited for the other
-    would never go on. A compile that reaches the same signature again inside its own (numba types a
-    call between kernels by compiling the callee) does not lock it twice."""
+    process compiles and saves, the others wait for it and load what it saved; other processes compile
+    other signatures meanwhile. A process that waits holds numba's in-process compiler lock (which its
+    compile takes anyway), taken before the file lock: two threads of one process that each held one
+    and waited for the other would never go on. A compile that reaches the same signature again inside
+    its own (numba types a call between kernels by compiling the callee) does not lock it twice.
+
+    The process that compiled then runs the saved entry, as loaded from the cache, not its own fresh
+    copy: the two were seen to round a sum differently, and the ranks of one run (one compiling, the
+    others loading) must run the same code."""
     cache: Any = getattr(dispatcher, "_cache", None)
-    if getattr(cache, "_cache_file", None) is None or fcntl is None:  # uncached (numba's NullCache), Windows
+    index_name = getattr(getattr(cache, "_cache_file", None), "_index_name", None)
+    if index_name is None or fcntl is None:  # uncached (numba's NullCache), Windows
         return
     compile_here = dispatcher.compile
     held: set[str] = set()
 
     def compile_once(sig: Any) -> Any:
         args = tuple(normalize_signature(sig)[0])
-        key = hashlib.sha256(f"{cache._cache_file._index_name} {args}".encode()).hexdigest()[:20]
-        name = f"smmf-compile-{key}.lock"
+        # Argument types are named by value for the kernels' arrays and structs (a type named by an object's
+        # address would only make each process compile, as before).
+        name = f"smmf-compile-{hashlib.sha256(f'{index_name} {args}'.encode()).hexdigest()[:20]}.lock"
         with global_compiler_lock:
             if args in dispatcher.overloads or name in held:
                 return compile_here(sig)
@@ -219,9 +232,30 @@ def _compile_once(dispatcher: Any) -> None:
             held.add(name)
             try:
                 with _cache_lock(cache._cache_path, exclusive=True, name=name, patience=_COMPILE_PATIENCE_S,
-                                 warn=False):
-                    return compile_here(sig)
+                                 warn=False, waiting="another process's compile of the fused kernels"):
+                    misses = sum(dispatcher._cache_misses.values())
+                    entry = compile_here(sig)
+                    if sum(dispatcher._cache_misses.values()) > misses:
+                        entry = _run_the_saved_entry(dispatcher, args, sig, entry)
+                    return entry
             finally:
                 held.discard(name)
 
     dispatcher.compile = compile_once
+
+
+def _run_the_saved_entry(dispatcher: Any, args: tuple, sig: Any, entry: Any) -> Any:
+    """Swap the overload just compiled for the cache's entry of it (numba's own steps for a cache hit);
+    where the entry cannot be loaded (the save failed), keep the compiled one."""
+    cres = dispatcher._cache.load_overload(sig, dispatcher.targetctx)
+    if cres is None:
+        return entry
+    others = [kept for key, kept in dispatcher.overloads.items() if key != args]
+    dispatcher._reset_overloads()  # numba's dispatch table too: a second entry for a signature is not looked up
+    for kept in others:
+        dispatcher.add_overload(kept)
+    if not cres.objectmode:
+        dispatcher.targetctx.insert_user_function(cres.entry_point, cres.fndesc, [cres.library])
+    dispatcher.add_overload(cres)
+    dispatcher._cache_hits[sig] += 1
+    return cres.entry_point
