@@ -102,6 +102,8 @@ _LOCK_PATIENCE_S = 60.0
 # Another process's compile of a signature is waited for this long at most, then compiled here too (the
 # largest kernels take about 30 s of CPU to compile, more on a loaded machine).
 _COMPILE_PATIENCE_S = 300.0
+# A wait for another process's compile longer than this says once what this process waits for.
+_COMPILE_NOTICE_S = 120.0
 _held_lock_fds: set[int] = set()
 
 
@@ -136,9 +138,9 @@ def _lock(fd: int, exclusive: bool, patience: float, warn: bool, waiting: str | 
             fcntl.flock(fd, operation)
             return
         except BlockingIOError:
-            if waiting is not None and time.monotonic() > start + _LOCK_PATIENCE_S and "waiting" not in _cache_warned:
+            if waiting is not None and time.monotonic() > start + _COMPILE_NOTICE_S and "waiting" not in _cache_warned:
                 _cache_warned.add("waiting")  # a long wait says why this process stands still, once
-                warnings.warn(f"smmf: waiting for {waiting} (held for {_LOCK_PATIENCE_S:.0f} s so far, up to "
+                warnings.warn(f"smmf: waiting for {waiting} (held for {_COMPILE_NOTICE_S:.0f} s so far, up to "
                               f"{patience:.0f} s, then compiling here). Warned once per process.", RuntimeWarning,
                               stacklevel=2)
             if time.monotonic() > deadline:
@@ -156,7 +158,7 @@ def _cache_lock(directory: str, exclusive: bool, name: str = _LOCK_FILE, patienc
                 warn: bool = True, waiting: str | None = None) -> Iterator[None]:
     """A lock file ``name`` of the cache directory, held while the block runs; by default the cache's
     own lock: exclusive to save, shared to load. A lock held elsewhere longer than ``patience`` is
-    waited out (with one warning if ``warn``); with ``waiting``, a wait past :data:`_LOCK_PATIENCE_S`
+    waited out (with one warning if ``warn``); with ``waiting``, a wait past :data:`_COMPILE_NOTICE_S`
     says once what it waits for. Where there is no ``fcntl`` (Windows), no lock file can be opened or
     the filesystem has no locks, the block runs unlocked, as numba's own cache does."""
     fd = _open_lock_file(directory, name) if fcntl is not None else None
