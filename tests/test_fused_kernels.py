@@ -487,7 +487,7 @@ def twice(x):
 
 def test_processes_that_need_one_uncached_signature_compile_it_once(tmp_path) -> None:
     """The ranks of a first distributed run on a machine (or two test workers) used to compile every kernel
-    signature that none had cached yet, each of them: up to a minute of CPU apiece for the largest kernels.
+    signature that none had cached yet, each of them: about 30 s of CPU apiece for the largest kernels.
     Now the first process compiles it and the others wait, then load what it saved. Here the first one's
     compile is held until the second has reached its own."""
     import json

@@ -128,7 +128,7 @@ def _open_lock_file(directory: str, name: str) -> int | None:
     return None
 
 
-def _lock(fd: int, exclusive: bool, patience: float, warn: bool, waiting: str | None = None) -> None:
+def _lock(fd: int, exclusive: bool, patience: float, waiting: str | None) -> None:
     assert fcntl is not None
     operation = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
     start = time.monotonic()
@@ -144,7 +144,7 @@ def _lock(fd: int, exclusive: bool, patience: float, warn: bool, waiting: str | 
                               f"{patience:.0f} s, then compiling here). Warned once per process.", RuntimeWarning,
                               stacklevel=2)
             if time.monotonic() > deadline:
-                if warn:
+                if waiting is None:  # a compile waited out is compiled here, nothing lost
                     _warn_broken_cache("locked", TimeoutError(f"held elsewhere for {patience:.0f} s"),
                                        "going on without the lock")
                 return
@@ -155,11 +155,11 @@ def _lock(fd: int, exclusive: bool, patience: float, warn: bool, waiting: str | 
 
 @contextlib.contextmanager
 def _cache_lock(directory: str, exclusive: bool, name: str = _LOCK_FILE, patience: float = _LOCK_PATIENCE_S,
-                warn: bool = True, waiting: str | None = None) -> Iterator[None]:
+                waiting: str | None = None) -> Iterator[None]:
     """A lock file ``name`` of the cache directory, held while the block runs; by default the cache's
     own lock: exclusive to save, shared to load. A lock held elsewhere longer than ``patience`` is
-    waited out (with one warning if ``warn``); with ``waiting``, a wait past :data:`_COMPILE_NOTICE_S`
-    says once what it waits for. Where there is no ``fcntl`` (Windows), no lock file can be opened or
+    waited out with one warning; with ``waiting`` (a compile's lock), a wait past
+    :data:`_COMPILE_NOTICE_S` says once what it waits for instead, and the timeout is silent. Where there is no ``fcntl`` (Windows), no lock file can be opened or
     the filesystem has no locks, the block runs unlocked, as numba's own cache does."""
     fd = _open_lock_file(directory, name) if fcntl is not None else None
     if fd is None:
@@ -167,7 +167,7 @@ def _cache_lock(directory: str, exclusive: bool, name: str = _LOCK_FILE, patienc
         return
     _held_lock_fds.add(fd)
     try:
-        _lock(fd, exclusive, patience, warn, waiting)
+        _lock(fd, exclusive, patience, waiting)
         yield
     finally:
         _held_lock_fds.discard(fd)
@@ -234,7 +234,7 @@ def _compile_once(dispatcher: Any) -> None:
             held.add(name)
             try:
                 with _cache_lock(cache._cache_path, exclusive=True, name=name, patience=_COMPILE_PATIENCE_S,
-                                 warn=False, waiting="another process's compile of the fused kernels"):
+                                 waiting="another process's compile of the fused kernels"):
                     misses = sum(dispatcher._cache_misses.values())
                     entry = compile_here(sig)
                     if sum(dispatcher._cache_misses.values()) > misses:
