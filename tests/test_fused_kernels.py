@@ -58,8 +58,14 @@ def _scale(x: torch.Tensor) -> float:
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPES, ids=[f"{b}-{str(d)[6:]}" for b, d in BACKEND_DTYPES])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_fused_matches_torch_path(backend: str, dtype: torch.dtype, config: dict) -> None:
+    """Twenty steps, each from the same weights and state on both paths. Carried over, a sign that a
+    rounding decides (an element of M at zero) can split the paths once, and the sign codes then spread
+    the split through the factors over the next steps: on one thread, whose blocks sum in another order,
+    one such sign flipped at step 10 of the natural shape with the flag, and 83 weights were apart at step 19."""
     ps, qs, ref, fused = _pair(backend, dtype, config)
     gen = torch.Generator().manual_seed(1)
+    levels = config.get("magnitude_bits") == 3
+    apart = [0, 0, 0]  # weights, M̂, elements (the levels code)
     for step in range(20):
         for i, (p, q) in enumerate(zip(ps, qs)):
             if i == len(ps) - 1 and step >= FROZEN_AFTER:
@@ -69,22 +75,36 @@ def test_fused_matches_torch_path(backend: str, dtype: torch.dtype, config: dict
             g = torch.randn(p.shape[::-1] if non_contiguous else p.shape, generator=gen).to(p.device, dtype)
             g = g.t() if non_contiguous else g
             p.grad, q.grad = g, g.clone()
+        before = [p.detach().clone() for p in ps]
         ref.step()
         fused.step()
-    # The levels code: M a rounding apart (the paths fuse multiply-adds differently) puts an element in the
-    # next level now and then, and its weight and M then differ: count them over all params.
-    levels = config.get("magnitude_bits") == 3
-    apart = [0, 0, 0]  # weights, M̂, elements
-    for p, q in zip(ps, qs):
-        if levels:
-            apart[0] += int((~torch.isclose(q, p, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-5)).sum())
-            apart[2] += p.numel()
-        elif dtype == torch.float32:
-            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+        for k, n in enumerate(_paths_apart(ps, qs, before, ref, fused, dtype, levels)):
+            apart[k] += n
+        _copy_weights_and_state(ps, qs, ref, fused)
+    if levels:
+        assert apart[0] <= 1e-3 * apart[2] and apart[1] <= 1e-3 * apart[2], apart
+    assert state_tensors_bytes(fused) == state_tensors_bytes(ref)
+
+
+def _paths_apart(ps: list, qs: list, before: list, ref: SMMF, fused: SMMF, dtype: torch.dtype,
+                 levels: bool) -> tuple[int, int, int]:
+    """Assert that the fused step (from weights ``before``) matches the torch path's, weights and state. fp32:
+    each update to 1e-4 of itself, give or take 4 ulp of the weight. The levels code: M a rounding apart (the
+    paths fuse multiply-adds differently) puts an element in the next level now and then, and its weight and
+    M then differ; these are counted: (weights, M̂, elements)."""
+    apart = [0, 0, 0]
+    for p, q, w in zip(ps, qs, before):
+        if dtype == torch.float32:
+            close = (q - p).abs() <= 1e-4 * (p - w).abs() + 4 * torch.finfo(dtype).eps * w.abs() + 1e-30
         else:  # both round the same fp32 value to bf16/fp16; a rare 1-ulp split is allowed
-            torch.testing.assert_close(q, p, rtol=8e-3, atol=1e-5)
-            if p.numel():
+            close = torch.isclose(q, p, rtol=8e-3, atol=1e-5)
+            if not levels and p.numel():
                 assert (q != p).float().mean().item() <= 0.01
+        if levels:
+            apart[0] += int((~close).sum())
+            apart[2] += p.numel()
+        else:
+            assert bool(close.all()), f"{int((~close).sum())} of {p.numel()} weights apart, greatest {(q - p).abs().max()}"
         m_ref, v_ref = reconstruct_state(ref, p)
         m_fused, v_fused = reconstruct_state(fused, q)
         # Sums run in another order on each path: compare at 1e-5 of each matrix's scale.
@@ -95,9 +115,21 @@ def test_fused_matches_torch_path(backend: str, dtype: torch.dtype, config: dict
             torch.testing.assert_close(m_fused.abs(), m_ref.abs(), rtol=1e-5, atol=1e-5 * _scale(m_ref))
             clear = m_ref.abs() > 1e-6 * (m_ref.abs().max() if m_ref.numel() else 0)
             assert torch.equal(m_fused[clear] >= 0, m_ref[clear] >= 0)
-    if levels:
-        assert apart[0] <= 1e-3 * apart[2] and apart[1] <= 1e-3 * apart[2], apart
-    assert state_tensors_bytes(fused) == state_tensors_bytes(ref)
+    return apart[0], apart[1], apart[2]
+
+
+def _copy_weights_and_state(ps: list, qs: list, ref: SMMF, fused: SMMF) -> None:
+    """The torch path's weights and state into the fused optimizer's own tensors, in place."""
+    with torch.no_grad():
+        for p, q in zip(ps, qs):
+            q.copy_(p)
+            assert ref.state[p].keys() == fused.state[q].keys()
+            for key, value in ref.state[p].items():
+                if torch.is_tensor(value):
+                    assert fused.state[q][key].shape == value.shape, key
+                    fused.state[q][key].copy_(value)
+                else:
+                    assert fused.state[q][key] == value, key
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
