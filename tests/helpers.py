@@ -75,6 +75,12 @@ def piece_cuts(numel: int, cols: int) -> list[int]:
     return [0, 8 * (numel // 24), numel // 2 + 1, numel // 2 + 1, numel - cols // 2, numel]
 
 
+def updates_close(q: Tensor, p: Tensor, before: Tensor) -> Tensor:
+    """Where fp32 weights ``q`` and ``p``, both stepped from ``before``, took the same update to 1e-4 of
+    itself, give or take 4 ulp of the weight (a 0.1% error in ``lr`` is caught, summation order is not)."""
+    return (q - p).abs() <= 1e-4 * (p - before).abs() + 4 * torch.finfo(p.dtype).eps * before.abs() + 1e-30
+
+
 def copied_state(state: dict) -> dict:
     """A state whose tensors are copies (the other entries shared)."""
     return {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()}
@@ -142,15 +148,17 @@ def levels_step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict,
     return torch.cat(pieces)
 
 
-def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, momentum_shape: str = "square") -> None:
+def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, momentum_shape: str = "square",
+                       large: tuple[tuple[int, int], ...] = ((300, 1000),)) -> None:
     """:func:`step_in_pieces` equals the torch path's step of the whole matrix, over 3 steps from
     identical inputs: matrices whose width is a multiple of 8 and not, cut at a sign byte, mid-byte
-    and mid-row, with an empty piece; with and without the first moment (``momentum_shape``: M's view)."""
+    and mid-row, with an empty piece, and ``large`` ones; with and without the first moment
+    (``momentum_shape``: M's view)."""
     from smmf.functional import StepConfig, torch_step_
     from smmf.state import MomentumCode, init_state, matrix_shape
 
     gen = torch.Generator().manual_seed(3)
-    for shape in [(48, 64), (31, 9), (257, 33), (300, 1000)]:
+    for shape in [(48, 64), (31, 9), (257, 33), *large]:
         for beta in (0.9, None):
             p = torch.randn(shape, generator=gen).to(device, dtype)
             state = init_state(p, {"beta": beta, "vector_reshape": True, "momentum_shape": momentum_shape})

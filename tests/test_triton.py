@@ -13,16 +13,38 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_triton_kernel_matches_torch_path() -> None:
-    env = dict(os.environ)
+PARTS = 3  # the parity battery in parts, which the suite's workers run side by side
+
+
+def _parity(*args: str) -> None:
     import torch
 
+    env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     script = Path(__file__).with_name("triton_parity.py")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=1800)
+    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=1800)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "TRITON PARITY OK" in out.stdout
+
+
+@pytest.mark.parametrize("part", range(PARTS))
+def test_triton_kernel_matches_torch_path(part: int) -> None:
+    """The whole parity battery on CUDA; under the CPU interpreter its quick form (every check, on fewer
+    steps and smaller tensors: the whole one takes about 45 minutes of a CPU core there, ``-m slow``)."""
+    import torch
+
+    _parity(f"--part={part}/{PARTS}", *([] if torch.cuda.is_available() else ["--quick"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", range(PARTS))
+def test_triton_kernel_matches_torch_path_on_the_whole_battery_interpreted(part: int) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the default run's parity test runs the whole battery")
+    _parity(f"--part={part}/{PARTS}")
 
 
 def test_every_kernel_variant_compiles_for_a_gpu() -> None:
