@@ -31,7 +31,7 @@ def _parity(*args: str) -> None:
 @pytest.mark.parametrize("part", range(PARTS))
 def test_triton_kernel_matches_torch_path(part: int) -> None:
     """The whole parity battery on CUDA; under the CPU interpreter its quick form (every check, on fewer
-    steps and smaller tensors: the whole one takes about 45 minutes of a CPU core there, ``-m slow``)."""
+    steps and smaller tensors: the whole one takes over 30 minutes of a CPU core there, ``-m slow``)."""
     import torch
 
     _parity(f"--part={part}/{PARTS}", *([] if torch.cuda.is_available() else ["--quick"]))

@@ -1,11 +1,11 @@
 """Triton kernel == torch path. Run directly: on CUDA when present, else on CPU tensors under Triton's
 interpreter (TRITON_INTERPRET=1 must be set before triton is imported).
 
-``--quick`` runs every check on less work: fewer steps, and no tensor of more than 40k elements (the large
-ones exist to span several bands and tiles of the kernels, which (257, 136) and (263, 131) also do). The interpreter runs
-a kernel's program in numpy, a tile at a time, so the whole battery takes about 45 minutes of one CPU
-core there; the test suite runs it quick (and whole under ``-m slow``), split into parts with
-``--part i/n`` that run side by side."""
+``--quick`` runs every check on less work: fewer steps, and no tensor of more than 40k elements (the
+large ones exist to span several bands and tiles of the kernels, which (257, 136) and (263, 131) also do).
+The interpreter runs a kernel's program in numpy, a tile at a time, so the whole battery takes over 30
+minutes of one CPU core there; the test suite runs it quick (and whole under ``-m slow``), split into parts
+with ``--part i/n`` that run side by side."""
 
 from __future__ import annotations
 
