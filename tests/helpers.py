@@ -77,8 +77,12 @@ def piece_cuts(numel: int, cols: int) -> list[int]:
 
 def updates_close(q: Tensor, p: Tensor, before: Tensor) -> Tensor:
     """Where fp32 weights ``q`` and ``p``, both stepped from ``before``, took the same update to 1e-4 of
-    itself, give or take 4 ulp of the weight (a 0.1% error in ``lr`` is caught, summation order is not)."""
-    return (q - p).abs() <= 1e-4 * (p - before).abs() + 4 * torch.finfo(p.dtype).eps * before.abs() + 1e-30
+    itself, give or take 4 ulp of the weight and of the largest update (a 0.1% error in ``lr`` is caught,
+    summation order is not)."""
+    update = (p - before).abs()
+    eps = torch.finfo(p.dtype).eps
+    largest = update.max() if update.numel() else 0.0
+    return (q - p).abs() <= 1e-4 * update + 4 * eps * (before.abs() + largest) + 1e-30
 
 
 def copied_state(state: dict) -> dict:
