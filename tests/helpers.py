@@ -85,6 +85,17 @@ def updates_close(q: Tensor, p: Tensor, before: Tensor) -> Tensor:
     return (q - p).abs() <= 1e-4 * update + 4 * eps * (before.abs() + largest) + 1e-30
 
 
+def copy_state_(dst: dict, src: dict) -> None:
+    """``src``'s state into ``dst``'s own tensors, in place (addresses kept); both hold the same entries."""
+    assert dst.keys() == src.keys()
+    for key, value in src.items():
+        if isinstance(value, Tensor):
+            assert dst[key].shape == value.shape, key
+            dst[key].copy_(value)
+        else:
+            assert dst[key] == value, key
+
+
 def copied_state(state: dict) -> dict:
     """A state whose tensors are copies (the other entries shared)."""
     return {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()}

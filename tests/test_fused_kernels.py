@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import (FUSED_BACKENDS, ZOO_SHAPES, copied_state, device_of, reconstruct_state, run_script,
-                     state_tensors_bytes, updates_close)
+from helpers import (FUSED_BACKENDS, ZOO_SHAPES, copied_state, copy_state_, device_of, reconstruct_state,
+                     run_script, state_tensors_bytes, updates_close)
 from smmf import SMMF
 from smmf.dispatch import step_kernel
 from smmf.kernels import available_backends, check_backend
@@ -90,7 +90,7 @@ def test_fused_matches_torch_path(backend: str, dtype: torch.dtype, config: dict
 def _paths_apart(ps: list, qs: list, before: list, ref: SMMF, fused: SMMF, dtype: torch.dtype,
                  levels: bool) -> tuple[int, int]:
     """Assert that the fused step (from weights ``before``) matches the torch path's, weights and state. fp32:
-    each update to 1e-4 of itself, give or take 4 ulp of the weight. The levels code: M a rounding apart (the
+    each update to 1e-4 of itself (:func:`updates_close`). The levels code: M a rounding apart (the
     paths fuse multiply-adds differently) puts an element in the next level now and then, and its weight and
     M then differ; these are counted: (weights, M̂)."""
     apart = [0, 0]
@@ -123,13 +123,7 @@ def _copy_weights_and_state(ps: list, qs: list, ref: SMMF, fused: SMMF) -> None:
     with torch.no_grad():
         for p, q in zip(ps, qs):
             q.copy_(p)
-            assert ref.state[p].keys() == fused.state[q].keys()
-            for key, value in ref.state[p].items():
-                if torch.is_tensor(value):
-                    assert fused.state[q][key].shape == value.shape, key
-                    fused.state[q][key].copy_(value)
-                else:
-                    assert fused.state[q][key] == value, key
+            copy_state_(fused.state[q], ref.state[p])
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)

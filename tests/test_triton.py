@@ -28,23 +28,18 @@ def _parity(*args: str) -> None:
     assert "TRITON PARITY OK" in out.stdout
 
 
+@pytest.mark.parametrize("battery", ["default", pytest.param("whole", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("part", range(PARTS))
-def test_triton_kernel_matches_torch_path(part: int) -> None:
+def test_triton_kernel_matches_torch_path(part: int, battery: str) -> None:
     """The whole parity battery on CUDA; under the CPU interpreter its quick form (every check, on fewer
-    steps and smaller tensors: the whole one takes over 30 minutes of a CPU core there, ``-m slow``)."""
+    steps and smaller tensors) by default, and the whole one (over 30 minutes of a CPU core) under
+    ``-m slow``."""
     import torch
 
-    _parity(f"--part={part}/{PARTS}", *([] if torch.cuda.is_available() else ["--quick"]))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("part", range(PARTS))
-def test_triton_kernel_matches_torch_path_on_the_whole_battery_interpreted(part: int) -> None:
-    import torch
-
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if battery == "whole" and cuda:
         pytest.skip("on CUDA the default run's parity test runs the whole battery")
-    _parity(f"--part={part}/{PARTS}")
+    _parity(f"--part={part}/{PARTS}", *(["--quick"] if battery == "default" and not cuda else []))
 
 
 def test_every_kernel_variant_compiles_for_a_gpu() -> None:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from helpers import copied_state, updates_close
+from helpers import copied_state, copy_state_, updates_close
 from smmf.functional import StepConfig, decompress_momentum, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
 from smmf.kernels.triton_gpu.tiles import bf16_rounded
@@ -35,7 +35,7 @@ SHAPES = [(64, 48), (768,), (40, 3, 3, 3), (13,), (31, 9), (256, 128), (1000, 3)
 QUICK = "--quick" in sys.argv[1:]
 # A large tensor: several bands of 256 rows and tiles of 128 columns; V's view of (300, 1000) is 600 × 500,
 # of (136, 257), the quick run's, 257 × 136 (two of each; M's natural view is 136 × 257).
-LARGE = [(136, 257)] if QUICK else [(300, 1000)]
+LARGE = ((136, 257),) if QUICK else ((300, 1000),)
 
 
 def _decoded(state: dict, cfg: StepConfig) -> torch.Tensor:
@@ -180,9 +180,7 @@ def _steps_against_torch(device: str, params: list, grads: list, states: list, c
     for (p, _, st, cfg), (ref_p, ref_st) in zip(items, expected):
         same(p, st, ref_p, ref_st, cfg)
         p.copy_(ref_p)
-        for key, value in ref_st.items():
-            if isinstance(value, torch.Tensor):
-                st[key].copy_(value)
+        copy_state_(st, ref_st)
 
 
 def run_plans(device: str) -> None:
@@ -268,7 +266,7 @@ def run_shards(device: str) -> None:
     for dtype in dtypes:
         for momentum_shape in ("square", "natural"):
             pieces_match_whole(triton_shard_step_, device, dtype, 1e-5 if dtype == torch.float32 else 1e-2,
-                               momentum_shape, tuple(LARGE))
+                               momentum_shape, LARGE)
             print(f"{device} {dtype} M {momentum_shape}: shard passes OK")
 
 
@@ -284,7 +282,7 @@ def run_flag_shards(device: str) -> None:
     from smmf.state import matrix_shape
 
     gen = torch.Generator().manual_seed(4)
-    for shape in [(48, 64), (31, 9), (257, 33)] + LARGE:
+    for shape in [(48, 64), (31, 9), (257, 33), *LARGE]:
         for momentum_shape in ("square", "natural"):
             p = torch.randn(shape, generator=gen).to(device)
             state = init_state(p, {"beta": 0.9, "vector_reshape": True, "momentum_shape": momentum_shape,
@@ -598,7 +596,7 @@ def _name(check) -> str:
 
 
 def _selected(checks: list, args: list[str]) -> list:
-    """The checks ``args`` ask for: names (or parts of names), all when none; ``--part i/n``: of those, every
+    """The checks ``args`` ask for: names (or parts of names), all when none; ``--part=i/n``: of those, every
     n-th from the i-th."""
     unknown = [a for a in args if a.startswith("--") and a != "--quick" and not a.startswith("--part=")]
     if unknown:
