@@ -589,6 +589,45 @@ def run_levels_shards(device: str) -> None:
     print(f"{device} levels code, shard passes: OK")
 
 
+def run_nonfinite(device: str) -> None:
+    """The contract for non-finite values on the Triton kernels, as on the torch path, 3 steps of every code of M
+    (the paper's, natural, flag, levels, no first moment), fp32: a NaN or infinite weight stays so and leaves the
+    state finite (decoupled decay: the weight never enters the gradient), under both ``zero_nonfinite`` settings;
+    an infinite gradient element left to propagate makes only its own weight NaN."""
+    gen = torch.Generator().manual_seed(8)
+    codes = [dict(beta=0.9), dict(beta=0.9, momentum_shape="natural"), dict(beta=0.9, magnitude_bits=1),
+             dict(beta=0.9, magnitude_bits=3), dict(beta=None)]
+    cases = [(float("nan"), None, True), (float("inf"), None, False), (None, float("inf"), False)]
+    for options in codes:
+        for weight, grad, zero in cases:
+            for shape in [(64, 48), (13,)]:
+                p = torch.randn(shape, generator=gen).to(device)
+                if weight is not None:
+                    p.view(-1)[5] = weight
+                group = {"vector_reshape": True, **options}
+                state = init_state(p, group)
+                for step in range(1, 4):
+                    g = torch.randn(shape, generator=gen).to(device)
+                    if grad is not None and step == 2:
+                        g.view(-1)[5] = grad
+                    cfg = StepConfig(lr=1e-2, beta1=None if options["beta"] is None else 0.9,
+                                     beta2=beta2_at(-0.8, step), eps=1e-8, weight_decay=0.1,
+                                     decoupled_weight_decay=True, maximize=False, stochastic_rounding=False,
+                                     code=momentum_code(p, group), zero_nonfinite=zero)
+                    q, sq = p.clone(), copied_state(state)
+                    torch_step_(p, g, state, cfg)
+                    triton_step_(q, g, sq, cfg)
+                    where = (options, weight, grad, shape, step)
+                    assert torch.equal(q.isnan(), p.isnan()) and torch.equal(q.isinf(), p.isinf()), where
+                    assert int((~q.isfinite()).sum()) == (0 if weight is None and step == 1 else 1), where
+                    torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, equal_nan=True)
+                    for key, value in sq.items():
+                        if isinstance(value, torch.Tensor) and value.is_floating_point():
+                            assert bool(value.isfinite().all()), (where, key)
+                    p, state = q, sq  # go on from identical inputs (the kernel's)
+    print(f"{device} non-finite weights and gradients: OK")
+
+
 def _name(check) -> str:
     if isinstance(check, partial):
         return f"{check.func.__name__}{check.args}"
@@ -625,7 +664,7 @@ def main() -> int:
                partial(run_levels_batched, device),
                partial(run_huge_flag, device), partial(run_flag_shards, device),
                partial(run_shards, device), partial(run_batched, device), partial(run_plans, device),
-               partial(run_plans_follow_configs, device)]
+               partial(run_plans_follow_configs, device), partial(run_nonfinite, device)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
     for dtype in dtypes:
         for beta, maximize, wd, decoupled, shape, bits in [

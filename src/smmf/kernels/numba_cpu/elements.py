@@ -49,7 +49,9 @@ def element(w, g, col_v, rv, sc, keep_bad, zero):
     wj = w * sc.shrink
     graw = g * sc.gsign
     finite = abs(graw) <= sc.big  # False for NaN
-    gj = (graw if finite | keep_bad else zero) + sc.l2 * wj  # bitwise: no branch in the loop
+    gj = graw if finite | keep_bad else zero  # bitwise: no branch in the loop
+    # Only L2 decay reads the weight: 0·W would make a NaN or infinite weight a NaN gradient.
+    gj = gj + sc.l2 * wj if sc.l2 != 0 else gj
     return wj, gj, sc.beta2 * (rv * col_v) + sc.rest2 * (gj * gj), finite
 
 

@@ -197,7 +197,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         any_bad = any_bad | (ok & ~finite)
         if ZERO_BAD:
             g = tl.where(finite, g, 0.0)
-        g = g + l2 * w
+        if l2 != 0:  # only L2 decay reads the weight: 0·W would make a NaN or infinite weight a NaN gradient
+            g = g + l2 * w
         v = beta2 * (rv[:, None, None] * cv) + (1.0 - beta2) * (g * g)
         v = tl.where(ok, v, 0.0)
         v_capped = tl.where(v > cap, cap, v)
