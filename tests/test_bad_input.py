@@ -239,15 +239,148 @@ def test_a_state_key_added_by_hand_is_called_an_edit_not_an_option_change() -> N
     assert_unchanged(opt, [param], saved)
 
 
-def test_a_group_with_a_param_twice_is_refused() -> None:
-    """torch only warns; SMMF stepped such a param twice per step, with its first state lost."""
+def test_a_group_with_a_param_twice_warns_as_torch_and_steps_it_once() -> None:
+    """torch warns (its generic suite expects the warning, not an error); the param is stepped once per step,
+    as if given once (a fused launch would otherwise race it with itself)."""
     param = torch.nn.Parameter(torch.randn(4, 6))
-    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="same parameter more than once"):
-        SMMF([param, param])
-    opt = SMMF([torch.nn.Parameter(torch.randn(3))])
-    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="same parameter more than once"):
-        opt.add_param_group({"params": [param, param]})
-    assert len(opt.param_groups) == 1
+    twin = torch.nn.Parameter(param.detach().clone())
+    with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
+        opt = SMMF([param, param])
+    ref = SMMF([twin])
+    for _ in range(3):
+        param.grad, twin.grad = torch.randn(4, 6), None
+        twin.grad = param.grad.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(param, twin) and opt.state[param]["step"] == 3
+    other = SMMF([torch.nn.Parameter(torch.randn(3))])
+    with pytest.warns(UserWarning, match="duplicate"):
+        other.add_param_group({"params": [param, param]})
+    assert len(other.param_groups) == 2
+
+
+# torch's generic error cases for every optimizer (torch.testing._internal.common_optimizers'
+# get_error_inputs_for_all_optims, which TestOptimRenewed.test_errors runs): (params, kwargs, error, message).
+_P, _Q = torch.nn.Parameter(torch.randn(1, 1)), torch.nn.Parameter(torch.randn(1, 1))
+TORCH_ERROR_CASES = [
+    (_P, {}, TypeError, "params argument given to the optimizer should be an iterable of Tensors or dicts"),
+    ([_P, _P], {}, UserWarning, ".*a parameter group with duplicate parameters.*"),
+    ([{"params": _P}, {"params": _P}], {}, ValueError, "some parameters appear in more than one parameter group"),
+    (None, {"lr": torch.tensor([0.001, 0.001])}, ValueError, "Tensor lr must be 1-element"),
+    ([("weight", _P), _Q], {}, ValueError, "all optimizer params should be with/without names. Some param names are "
+     "missing"),
+    ([{"params": [_P], "lr": 1e-2}, {"params": [("weight", _Q)]}], {}, ValueError,
+     "all optimizer param groups should be with/without names. cannot add param group with names to the optimizer"),
+]
+
+
+@pytest.mark.parametrize("params,kwargs,error,match", TORCH_ERROR_CASES,
+                         ids=[str(i) for i in range(len(TORCH_ERROR_CASES))])
+def test_torch_generic_error_cases(params, kwargs, error, match: str) -> None:
+    params = [torch.nn.Parameter(torch.randn(1, 1))] if params is None else params
+    if issubclass(error, Warning):
+        with pytest.warns(error, match=match):
+            SMMF(params, **kwargs)
+    else:
+        with pytest.raises(error, match=match):
+            SMMF(params, **kwargs)
+
+
+# Options a scheduler, a framework or a user may write into param_groups after construction, and the
+# constructor's message for each.
+CHANGED_OPTIONS = [("nonfinite_grads", "Zero", "Unknown nonfinite_grads: 'Zero'"),
+                   ("decay_rate", 0.5, r"Invalid decay_rate: 0.5 \(must be in \[-1, 0\]\)"),
+                   ("lr", float("nan"), "Invalid learning rate: nan"),
+                   ("lr", -1e-3, "Invalid learning rate: -0.001"),
+                   ("beta", 1.5, r"Invalid beta: 1.5"),
+                   ("eps", float("inf"), "Invalid epsilon value: inf"),
+                   ("growth_rate", 2.0, "Invalid growth_rate: 2.0"),
+                   ("weight_decay_mode", "AdamW", "Unknown weight_decay_mode: 'AdamW'"),
+                   ("maximize", 1, "maximize should be a bool"),
+                   ("momentum_rounding", "Stochastic", "Unknown momentum_rounding"),
+                   ("backend", "cuda", "Unknown backend: 'cuda'"),
+                   ("lr", torch.tensor([1e-3, 1e-3]), "Tensor lr must be 1-element")]
+
+
+@pytest.mark.parametrize("backend", ["torch", *CPU_FUSED_BACKENDS])
+@pytest.mark.parametrize("key,value,message", CHANGED_OPTIONS, ids=[f"{k}={v!r}" for k, v, _ in CHANGED_OPTIONS])
+def test_an_option_changed_in_param_groups_is_checked_before_the_step_changes_anything(
+        backend: str, key: str, value, message: str) -> None:
+    """The constructor refuses each of these values; written into ``param_groups`` later, they were taken (a
+    ``decay_rate`` of 0.5 made 794 of 2080 weights NaN, ``"Zero"`` acted as ``"propagate"``)."""
+    params, opt = trained_smmf(backend)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(5, 7))]})
+    for p in opt.param_groups[1]["params"]:
+        p.grad = torch.randn_like(p)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    everything = [p for group in opt.param_groups for p in group["params"]]
+    saved = snapshot_of(opt, everything)
+    original, opt.param_groups[1][key] = opt.param_groups[1][key], value
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    with pytest.raises(ValueError, match=message):  # refused at every step until it is mended
+        opt.step()
+    opt.param_groups[1][key] = original
+    assert_unchanged(opt, everything, saved)
+    opt.step()  # mended, it steps
+    assert opt.state[everything[0]]["step"] == 4
+
+
+def test_a_tensor_lr_changed_in_place_is_checked_at_each_step() -> None:
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    lr = torch.tensor(1e-3)
+    opt = SMMF([param], lr=lr)
+    param.grad = torch.randn(4, 6)
+    opt.step()
+    saved = snapshot_of(opt, [param])
+    lr.fill_(float("nan"))
+    with pytest.raises(ValueError, match="Invalid learning rate: nan"):
+        opt.step()
+    lr.fill_(1e-3)
+    assert_unchanged(opt, [param], saved)
+
+
+def test_a_deleted_option_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    opt = SMMF([param])
+    del opt.param_groups[0]["eps"]
+    param.grad = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"lacks SMMF's options \['eps'\]"):
+        opt.step()
+
+
+def test_options_are_checked_again_only_when_they_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unchanged options cost a tuple comparison per group and step, not the constructor's checks; a scheduler's
+    new lr is checked once."""
+    import smmf.optimizer as optimizer_module
+
+    calls = []
+    check = optimizer_module._validate_group
+    monkeypatch.setattr(optimizer_module, "_validate_group", lambda group: (calls.append(1), check(group)))
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    opt = SMMF([param])
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    calls.clear()  # the constructor's
+    for _ in range(6):
+        param.grad = torch.randn(4, 6)
+        opt.step()
+        scheduler.step()
+    assert len(calls) == 2  # the first step, and the step after the lr changed once at step 3
+
+
+def test_the_step_inside_backward_checks_changed_options_too() -> None:
+    from smmf import step_in_backward
+
+    model = torch.nn.Linear(6, 4)
+    opt = SMMF(model.parameters())
+    step_in_backward(opt)
+    model(torch.randn(3, 6)).sum().backward()
+    opt.param_groups[0]["decay_rate"] = 0.5
+    saved = snapshot_of(opt, list(model.parameters()))
+    with pytest.raises(ValueError, match="Invalid decay_rate"):
+        model(torch.randn(3, 6)).sum().backward()
+    assert_unchanged(opt, list(model.parameters()), saved)
 
 
 def test_numpy_hyperparameters_are_taken_as_python_floats() -> None:

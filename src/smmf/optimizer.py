@@ -69,6 +69,9 @@ NONFINITE_GRADS = ("zero", "propagate")
 _OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads", "momentum_shape", "magnitude_bits",
                   "momentum_rounding")
 MOMENTUM_ROUNDINGS = ("nearest", "stochastic")
+# Every option of a group, in the constructor's order: what a step checks again when one of them changed.
+_OPTION_KEYS = ("lr", "beta", "eps", "weight_decay", "decay_rate", "growth_rate", "vector_reshape",
+                "weight_decay_mode", *_OPTIONAL_KEYS)
 # Keys that torch adds to param groups: learning-rate schedulers (``swa_lr``: ``swa_utils.SWALR``), and
 # ``param_names`` in an optimizer built from ``named_parameters()`` (torch >= 2.6).
 _TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "swa_lr",
@@ -85,6 +88,9 @@ _graph_break: Callable[[Callable[..., Any]], Callable[..., Any]] = getattr(torch
 
 def _validate_group(group: dict[str, Any]) -> None:
     """One check per hyperparameter; each message states the rule and the value."""
+    missing = [key for key in _OPTION_KEYS if key not in group]
+    if missing:
+        raise ValueError(f"a param group lacks SMMF's options {missing}: set them, or leave the group's keys be")
     for name in ("lr", "eps", "weight_decay", "decay_rate", "beta", "growth_rate"):
         value = group[name]
         if isinstance(value, numbers.Real) and type(value) not in (int, float, bool):  # numpy's, as torch takes them
@@ -373,6 +379,7 @@ class SMMF(Optimizer):
         )
         _validate_group(defaults)
         self._places: Optional[tuple[tuple, dict[int, tuple[int, dict[str, Any]]]]] = None  # see _places_now
+        self._checked: dict[int, tuple] = {}  # see _check_options
         self._nonfinite = NonfiniteMonitor()
         self._step_in_backward: Optional[StepInBackward] = None
         super().__init__(params, defaults)
@@ -381,10 +388,7 @@ class SMMF(Optimizer):
         super().add_param_group(param_group)
         try:
             _validate_group(self.param_groups[-1])
-            params = self.param_groups[-1]["params"]
-            if len({id(param) for param in params}) < len(params):
-                # torch only warns; stepped twice per step, a param would also race itself in a fused launch
-                raise ValueError("a parameter group holds the same parameter more than once: give each once")
+            params = self.param_groups[-1]["params"]  # a param given twice is stepped once (torch warns)
             for param in params:
                 _reject_non_float(param)
                 _reject_flattened(param)
@@ -406,6 +410,7 @@ class SMMF(Optimizer):
                 group.setdefault(key, default)
         self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
         self.__dict__.setdefault("_places", None)
+        self.__dict__.setdefault("_checked", {})
         self.__dict__.setdefault("_step_in_backward", None)
 
     @torch.no_grad()
@@ -420,6 +425,15 @@ class SMMF(Optimizer):
         if self._step_in_backward is None:
             self.step_params([(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None])
         return loss
+
+    def _check_options(self, group: dict[str, Any]) -> None:
+        """Check a group's options again when they changed since the last check (schedulers and frameworks
+        write ``param_groups``): the constructor's checks, and messages. A tensor ``lr`` is checked at every
+        step, since it may change in place."""
+        if isinstance(group.get("lr"), Tensor) or self._checked.get(id(group)) != tuple(map(group.get, _OPTION_KEYS)):
+            self._checked.pop(id(group), None)
+            _validate_group(group)
+            self._checked[id(group)] = tuple(group[key] for key in _OPTION_KEYS)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As :meth:`torch.optim.Optimizer.zero_grad`; under :func:`smmf.step_in_backward` it does
@@ -445,10 +459,14 @@ class SMMF(Optimizer):
             raise ValueError(f"step_params got {len(grads)} gradients for {len(params)} params")
         # Check everything before touching anything: a rejected step changes no param or state.
         places = self._places_now()
+        for group in {id(group): group for group, _ in params}.values():
+            self._check_options(group)
         work = []
+        seen: set[int] = set()  # a param a group holds twice is stepped once
         for (group, param), grad in zip(params, grads if grads is not None else [p.grad for _, p in params]):
-            if grad is None:
+            if grad is None or id(param) in seen:
                 continue
+            seen.add(id(param))
             _check_grad(param, grad)
             ordinal = self._ordinal(param, group, places)
             before = self.state.get(param)
