@@ -51,6 +51,48 @@ def test_corrupt_checkpoint_is_rejected_and_changes_nothing(name: str) -> None:
     opt.step()  # and it still trains
 
 
+# Values no step can leave, in the last param's state (the others would load first), for every code of M and the
+# dense state: (options, key, value, message).
+IMPOSSIBLE_VALUES = {
+    "row_v nan": ({}, "row_v", float("nan"), "1 NaN or infinite"),
+    "row_v negative": ({}, "row_v", -1.0, "1 negative"),
+    "col_m inf": ({}, "col_m", float("inf"), "1 NaN or infinite"),
+    "natural row_m negative": ({"momentum_shape": "natural"}, "row_m", -0.5, "1 negative"),
+    "flag levels nan": ({"magnitude_bits": 1}, "levels_m", float("nan"), "1 NaN or infinite"),
+    "flag levels negative": ({"magnitude_bits": 1}, "levels_m", -1.0, "1 negative"),
+    "levels scales inf": ({"magnitude_bits": 3}, "scales_m", float("inf"), "1 NaN or infinite"),
+    "levels scales negative": ({"magnitude_bits": 3}, "scales_m", -2.0, "1 negative"),
+    "levels col_v nan": ({"magnitude_bits": 3}, "col_v", float("nan"), "1 NaN or infinite"),
+    "dense exp_avg nan": ({"vector_reshape": False}, "exp_avg", float("nan"), "1 NaN or infinite"),
+    "dense exp_avg_sq negative": ({"vector_reshape": False}, "exp_avg_sq", -1.0, "1 negative"),
+}
+
+
+@pytest.mark.parametrize("name", IMPOSSIBLE_VALUES)
+def test_a_checkpoint_with_values_no_step_leaves_is_rejected_and_changes_nothing(name: str) -> None:
+    """A state dict whose ``row_v`` was NaN (or negative, or ``scales_m`` inf) loaded, and the next step made NaN
+    weights."""
+    options, key, value, match = IMPOSSIBLE_VALUES[name]
+    params, opt = trained_smmf(**options)
+    bad = copy.deepcopy(opt.state_dict())
+    last = bad["state"][len(bad["state"]) - 1]
+    assert key in last, sorted(last)
+    last[key].view(-1)[0] = value
+    snapshot = snapshot_of(opt, params)
+    with pytest.raises(ValueError, match=f"parameter 1: state '{key}' holds {match}"):
+        opt.load_state_dict(bad)
+    assert_unchanged(opt, params, snapshot)
+    opt.step()
+    assert all(bool(p.isfinite().all()) for p in params)
+
+
+def test_a_dense_first_moment_may_be_negative() -> None:
+    params, opt = trained_smmf(vector_reshape=False)
+    saved = opt.state_dict()
+    assert bool((saved["state"][1]["exp_avg"] < 0).any())
+    opt.load_state_dict(copy.deepcopy(saved))
+
+
 # load_state_dict honours torch's hooks, in torch's order.
 
 def test_pre_hook_output_is_what_gets_validated_and_loaded() -> None:

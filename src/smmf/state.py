@@ -306,11 +306,22 @@ def _refuse_layout_change() -> None:
     )
 
 
+def _refuse_impossible_values(value: Tensor, key: str, where: str) -> None:
+    """What a step can leave in a state tensor: finite values (a factor sum is capped), non-negative but in
+    the dense first moment. Checked when a checkpoint loads: a NaN factor would make every weight NaN."""
+    if not bool(value.isfinite().all()):
+        raise ValueError(f"{where}: state '{key}' holds {int((~value.isfinite()).sum())} NaN or infinite value(s); "
+                         "a step leaves it finite (was the run that saved it diverged, or the checkpoint damaged?)")
+    if key != EXP_AVG and bool((value < 0).any()):
+        raise ValueError(f"{where}: state '{key}' holds {int((value < 0).sum())} negative value(s); a step leaves "
+                         "it non-negative (is the checkpoint damaged?)")
+
+
 def check_loaded_state(
     param: Tensor, group: Mapping[str, Any], state: Mapping[str, Any], where: str
 ) -> None:
-    """Raise ``ValueError`` unless ``state`` has exactly the keys, shapes and dtypes ``param`` needs
-    and a finite, non-negative, whole ``step``."""
+    """Raise ``ValueError`` unless ``state`` has exactly the keys, shapes and dtypes ``param`` needs, values a
+    step can leave (:func:`_refuse_impossible_values`) and a finite, non-negative, whole ``step``."""
     layout = state_layout(param, group)
     expected = set(layout) | {STEP}
     if set(state) != expected:
@@ -330,6 +341,8 @@ def check_loaded_state(
             raise ValueError(f"{where}: state '{key}' holds packed bits and must be uint8, not {value.dtype}")
         if spec.dtype != torch.uint8 and not value.is_floating_point():
             raise ValueError(f"{where}: state '{key}' must be a floating-point tensor, not {value.dtype}")
+        if spec.dtype != torch.uint8:
+            _refuse_impossible_values(local(value), key, where)
     step = state[STEP]
     step_value = step.item() if isinstance(step, Tensor) and step.numel() == 1 else step
     if (
