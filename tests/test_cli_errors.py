@@ -29,7 +29,15 @@ CLI_CASES = {
     "compare unknown task": (["compare", "--tasks", "digits-cnn,nope"], "--tasks: unknown 'nope'"),
     "compare negative steps": (["compare", "--steps", "-5"], "--steps must be at least 1, got -5"),
     "compare zero steps": (["compare", "--steps", "0"], "--steps must be at least 1, got 0"),
-    "compare zero seeds": (["compare", "--seeds", "0"], "--seeds must be at least 1, got 0"),
+    "compare zero seeds": (["compare", "--seeds", "0"], "--seeds must be between 1 and 1000, got 0"),
+    "compare huge seeds": (["compare", "--seeds", "1000000000000"], "--seeds must be between 1 and 1000"),
+    "compare empty out": (["compare", "--out", ""], "--out names no directory"),
+    "compare into another study": (["compare", "--out", "{tmp}/study"], "--out {tmp}/study holds another study (1 "
+                                   "run(s) of `smmf compare --tasks digits-cnn`): add --resume"),
+    "compare into a folder with foreign results": (["compare", "--out", "{tmp}/foreign"], "holds another study (a "
+                                                   "results.json that is not smmf compare's)"),
+    "bench bad largest with a plot folder": (["bench", "--training", "--plot", "{tmp}/d/e/p.png", "--largest", "abc"],
+                                             "--largest takes positive numbers of GiB, got 'abc'"),
     "compare unwritable out": (["compare", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write"),
     "resume truncated results": (["compare", "--resume", "--out", "{tmp}/truncated"], "not a results file of smmf "
                                  "compare (Expecting"),
@@ -70,9 +78,14 @@ def test_cli_error_is_one_line_exit_2_before_any_work(case: str, tmp_path, monke
     for name, text in (("truncated", '{"meta": {}, "results": [{"task"'), ("foreign", '{"results": [{"foo": 1}]}'),
                        ("bare", '{"results": [{"task": "digits-cnn", "optimizer": "adam", "label": "Adam"}]}'),
                        ("numeric", '{"meta": {"command": 5}, "results": []}'),
-                       ("pretrain", '{"meta": {"command": "smmf compare --pretrain-steps x"}, "results": []}')):
+                       ("pretrain", '{"meta": {"command": "smmf compare --pretrain-steps x"}, "results": []}'),
+                       ("study", '{"meta": {"command": "smmf compare --tasks digits-cnn"}, "results": [{}]}')):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(text)
+    cwd = tmp_path / "cwd"  # where the default --out would be made
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    before = sorted(tmp_path.rglob("*"))
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")
@@ -86,7 +99,8 @@ def test_cli_error_is_one_line_exit_2_before_any_work(case: str, tmp_path, monke
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("smmf"), err
-    assert match in err
+    assert match.replace("{tmp}", str(tmp_path)) in err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing created, here or under the current directory
 
 
 def test_memory_without_peft_skips_the_lora_row_with_a_note(monkeypatch, capsys) -> None:

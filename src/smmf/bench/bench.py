@@ -329,11 +329,11 @@ def _budgets(text: str | None, device: str) -> list[float | str]:
 
 def _training(args: argparse.Namespace) -> int:
     cuda_or_fail(PROG, args.device)
-    if args.plot:
+    budgets = _budgets(args.largest, args.device)
+    if args.plot:  # last: it creates the plot's folder
         if args.device == "cuda":
             fail(PROG, "--plot is for --training on CPU")
         writable_dir(PROG, "--plot", os.path.dirname(os.path.abspath(args.plot)))
-    budgets = _budgets(args.largest, args.device)
     if args.device == "cuda":
         from . import training_cuda as study
 

@@ -11,11 +11,13 @@ are opt-in. A peer whose package is missing is a skipped row, with a note.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +25,7 @@ import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -31,7 +33,7 @@ from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import (DEFAULT_OPTIMIZERS, PAPER_SMMF, RECOMMENDED_SMMF, missing_package, optimizer_specs,
                          parse_opt_args)
 from .plots import by_run, plot_all, run_labels, run_setting
-from .fresh_process import report, run_child
+from .fresh_process import allow_children, report, run_child, stop_children
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
 from .storage import optimizer_state_bytes
@@ -40,6 +42,46 @@ from .tasks import DEFAULT_TASKS, PRETRAIN_STEPS, TASKS, Task, cache_root, make_
 
 
 DEFAULT_JOBS = 1
+MAX_SEEDS = 1000
+# What stops a study: each ends the runs in flight, starts no other, and keeps the finished ones.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Interrupted(BaseException):
+    """A stop signal arrived (a BaseException, as KeyboardInterrupt: no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StudyStopped(Exception):
+    """The study was stopped by a signal: ``finished`` holds the runs that ended before it, in order."""
+
+    def __init__(self, signum: int, finished: list[dict[str, Any]], not_run: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.finished, self.not_run = signum, finished, not_run
+
+
+@contextlib.contextmanager
+def signals_stop_the_study() -> Iterator[None]:
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread; a second one while the
+    study stops is ignored, so that the stop can write what finished. Elsewhere than the main thread, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        for other in STOP_SIGNALS:
+            signal.signal(other, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def warmup_cosine(steps: int, warmup: int):
@@ -294,18 +336,50 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
         print(f"{PROG}: --resume: {len(slots)} earlier run(s) that this command would not make are kept in its results "
               "as they were", file=sys.stderr, flush=True)
     lock = threading.Lock()
+    stopping = threading.Event()
+
+    def ended() -> list[dict[str, Any]]:
+        return [s.result() if isinstance(s, Future) else s for s in list(slots)
+                if not isinstance(s, Future) or (s.done() and not s.cancelled() and s.exception() is None)]
 
     def done(_: Any = None) -> None:
-        if finished is None:
+        if finished is None or stopping.is_set():
             return
         with lock:
             try:
-                finished([s.result() if isinstance(s, Future) else s for s in list(slots)
-                          if not isinstance(s, Future) or (s.done() and s.exception() is None)])
+                finished(ended())
             except Exception as err:  # the runs go on either way (a pool would swallow it; say so instead)
                 print(f"{PROG}: could not write the results so far: {type(err).__name__}: {err}", file=sys.stderr,
                       flush=True)
 
+    try:
+        _submit(planned, earlier, skipped, slots, pool, seed, device, cache, pretrain_steps, show_progress, done)
+        if pool is not None:
+            return [s if isinstance(s, dict) else s.result() for s in slots]
+        return slots
+    except Interrupted as interrupt:
+        stopping.set()
+        stop_children()  # the runs in flight end now: their threads see their child gone
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        allow_children()
+        with lock:
+            finished_now = ended()
+        to_run = [job for jobs in planned.values() for job in jobs
+                  if job["optimizer"] not in skipped and _job_key(TASKS[job["task"]], job) not in earlier]
+        taken = {id(r) for r in earlier.values()}
+        ran = [r for r in finished_now if not r.get("skipped") and id(r) not in taken]
+        raise StudyStopped(interrupt.signum, finished_now, len(to_run) - len(ran)) from None
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _submit(planned: dict[str, list[dict[str, Any]]], earlier: dict[tuple, dict[str, Any]], skipped: dict[str, str],
+            slots: list[Any], pool: Optional[ThreadPoolExecutor], seed: int, device: torch.device, cache: Optional[str],
+            pretrain_steps: Optional[int], show_progress: bool, done: Callable[..., None]) -> None:
+    """:func:`run`'s jobs into ``slots`` in order: an earlier run taken as it was, a skipped row, a result (one job
+    at a time), or a future of ``pool``."""
     for task_name, task_jobs in planned.items():
         task = make_task(task_name, cache, pretrain_steps, str(device))
         made_before = [earlier.get(_job_key(task, job)) for job in task_jobs]
@@ -327,10 +401,6 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
             else:
                 slots.append(future := pool.submit(_timed_run, job, show_progress))
                 future.add_done_callback(done)
-    if pool is not None:
-        with pool:
-            return [s if isinstance(s, dict) else s.result() for s in slots]
-    return slots
 
 
 def _job_key(task: Task, job: dict[str, Any]) -> tuple:
@@ -496,8 +566,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
         fail(PROG, f"--pretrain-steps must be at least 1, got {args.pretrain_steps}")
     if "finetune-lm" in tasks:
         writable_dir(PROG, "--cache", str(cache_root(args.cache)))
-    if args.seeds < 1:
-        fail(PROG, f"--seeds must be at least 1, got {args.seeds}")
+    if not 1 <= args.seeds <= MAX_SEEDS:
+        fail(PROG, f"--seeds must be between 1 and {MAX_SEEDS}, got {args.seeds}")
     if not 0 <= args.seed <= 2**63 - args.seeds:  # torch.manual_seed takes less than 2**64; numpy less than 2**63
         fail(PROG, f"--seed must be between 0 and 2**63 - --seeds, got {args.seed}")
     if args.jobs < 1:
@@ -529,7 +599,25 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
             unknown = sorted(set(overrides) - set(named)) if takes_any else []
             if unknown:
                 fail(PROG, f"{given}: {type(built).__name__} has no option {', '.join(map(repr, unknown))}")
+    if not args.out.strip():
+        fail(PROG, "--out names no directory")
+    if not args.resume:
+        _refuse_another_study(Path(args.out))
     return tasks, optimizers, device, opt_args, writable_dir(PROG, "--out", args.out)
+
+
+def _refuse_another_study(out: Path) -> None:
+    """A rerun into a folder that holds a study would drop its runs from the tables: refused, naming it."""
+    path = out / "results.json"
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text())
+        what = f"{len(data['results'])} run(s) of `{data['meta']['command']}`"
+    except (OSError, ValueError, KeyError, TypeError):
+        what = "a results.json that is not smmf compare's"
+    fail(PROG, f"--out {out} holds another study ({what}): add --resume to keep its runs and run only the missing "
+               "ones, or give another --out")
 
 
 def main(args: Optional[argparse.Namespace] = None) -> int:
@@ -555,10 +643,19 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     def so_far(results: list[dict[str, Any]]) -> None:  # the tables (not the plots) after every run
         write_outputs(results, {**meta, "seconds": time.time() - started, "complete": False}, out, plots=False)
 
-    results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick, seeds=args.seeds,
-                  cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=args.jobs, finished=so_far, kept=kept)
-    meta |= {"seconds": time.time() - started, "complete": True}
-    write_outputs(results, meta, out)
+    try:
+        with signals_stop_the_study():
+            try:
+                results = run(tasks, optimizers, args.steps, args.seed, device, args.opt_args, args.quick,
+                              seeds=args.seeds, cache=args.cache, pretrain_steps=args.pretrain_steps, jobs=args.jobs,
+                              finished=so_far, kept=kept)
+            except StudyStopped as stopped:
+                return _stopped(stopped, {**meta, "seconds": time.time() - started, "complete": False}, out, args)
+            meta |= {"seconds": time.time() - started, "complete": True}
+            write_outputs(results, meta, out)
+    except Interrupted as interrupt:  # while the finished study was written: its files are whole (_write)
+        print(f"{PROG}: stopped by {interrupt} while writing {out}", file=sys.stderr, flush=True)
+        return 128 + interrupt.signum
     headers, rows = summary_rows(results)
     print(format_table(headers, rows))
     note = smmf_note(results)
@@ -567,6 +664,17 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     plots = ", loss.png, metric.png, state_memory.png" if any(not r.get("skipped") for r in results) else ""
     print(f"wrote {out}/results.md, results.csv, results.json{plots} ({meta['seconds']:.0f} s on {meta['machine']})")
     return 0
+
+
+def _stopped(stopped: StudyStopped, meta: dict[str, Any], out: Path, args: argparse.Namespace) -> int:
+    """A study stopped by a signal: its finished runs written (tables and plots, so that none of an earlier
+    study's are left beside them), how to go on said, and the exit status of a process the signal ended."""
+    write_outputs(stopped.finished, meta, out)
+    ran = sum(not r.get("skipped") for r in stopped.finished)
+    again = meta["command"] if args.resume else f"{meta['command']} --resume"
+    print(f"{PROG}: stopped by {stopped}: {ran} finished run(s) kept in {out}/results.json, {stopped.not_run} not "
+          f"run; to finish the study: {again}", file=sys.stderr, flush=True)
+    return 128 + stopped.signum
 
 
 def _code_version() -> str:

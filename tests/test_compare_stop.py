@@ -1,0 +1,89 @@
+"""``smmf compare`` stopped by Ctrl-C or SIGTERM: the whole study stops within seconds, no process is left
+behind, every finished run stays in the tables, and it says how to resume. Each case is a real study in a
+process of its own, stopped by a real signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+OPTIMIZERS = "adam,adamw,sm3,came,adafactor"  # five cheap runs: some finished, some in flight, some queued
+
+
+def _marked(mark: str) -> list[int]:
+    """The processes whose environment carries ``mark``: the study and every child it started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if mark.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _runs(out: Path) -> list[dict]:
+    try:
+        return json.loads((out / "results.json").read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the study's processes through /proc")
+@pytest.mark.parametrize("jobs,how", [(2, "ctrl-c"), (1, "ctrl-c"), (2, "SIGTERM"), (1, "SIGTERM")])
+def test_a_stopped_study_ends_whole_keeps_its_finished_runs_and_says_how_to_resume(jobs: int, how: str,
+                                                                                  tmp_path: Path) -> None:
+    """Before: with ``--jobs 2`` a Ctrl-C killed the two runs in flight and dropped them, then ran the queued ones to
+    the end; SIGTERM left the children running and wrote no results; ``--jobs 1`` printed a traceback."""
+    out = tmp_path / "study"
+    mark = f"SMMF_STOP_TEST={os.getpid()}-{jobs}-{how}"
+    env = dict(os.environ, SMMF_STOP_TEST=mark.split("=", 1)[1])
+    # Its own session, as a shell's job: Ctrl-C at a terminal signals the whole foreground process group.
+    study = subprocess.Popen([sys.executable, "-m", "smmf.cli", "compare", "--tasks", "digits-cnn", "--optimizers",
+                              OPTIMIZERS, "--steps", "10", "--jobs", str(jobs), "--out", str(out)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _runs(out):
+            assert study.poll() is None, study.communicate()
+            assert time.monotonic() < deadline, "no run finished in 5 minutes"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the next runs are in flight
+        finished_before = len(_runs(out))
+        assert finished_before < 5 and len(_marked(mark)) > 1, "no run in flight to stop"
+        signalled = time.monotonic()
+        if how == "ctrl-c":
+            os.killpg(study.pid, signal.SIGINT)
+        else:
+            os.kill(study.pid, signal.SIGTERM)
+        _, err = study.communicate(timeout=30)
+        took = time.monotonic() - signalled
+    finally:
+        if study.poll() is None:
+            os.killpg(study.pid, signal.SIGKILL)
+    signum = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
+    assert study.returncode == 128 + signum, err
+    assert took < 15, took
+    time.sleep(0.5)
+    assert _marked(mark) == [], "processes left behind"
+    assert "Traceback" not in err, err
+    runs = _runs(out)
+    assert finished_before <= len(runs) < 5 and all(r["losses"] for r in runs)
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert meta["complete"] is False
+    assert f"stopped by {signal.Signals(signum).name}: {len(runs)} finished run(s) kept" in err, err
+    assert f"{5 - len(runs)} not run; to finish the study: smmf compare" in err and "--resume" in err, err
+    table = (out / "results.md").read_text()
+    assert all(r["label"] in table for r in runs)
+    assert (out / "loss.png").exists()  # the plots are of these runs, not of an earlier study's
