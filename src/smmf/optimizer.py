@@ -296,8 +296,9 @@ class SMMF(Optimizer):
         nonfinite_grads: what a NaN or ±inf gradient element does. ``"zero"``: it counts as a zero
             gradient for that element alone (its moments decay, the rest of the tensor is updated
             as usual) and a warning is issued once; ``"propagate"``: it flows into the update as in
-            plain torch — for SMMF that makes the whole tensor NaN, since its factors are sums over
-            it (default: ``"zero"``).
+            plain torch — a NaN makes the whole tensor NaN, since its factors are sums over it; an inf,
+            capped in those sums, makes only its own weight NaN. A NaN weight stays alone either way,
+            unless L2 decay adds it to its gradient (docs/robustness.md) (default: ``"zero"``).
         momentum_shape: beyond the paper, opt-in. ``"square"``: M is factorized in the square
             matricization, as in the paper; ``"natural"``: in the tensor's own shape (dim 0 × the
             rest; a conv weight: out_channels × the rest; 1-D tensors stay square), which lets the
