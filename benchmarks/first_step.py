@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from smmf.bench.machine import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
@@ -76,7 +78,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--commit", default=None, help="also measure this commit (e.g. the one before a change)")
     args = parser.parse_args()
-    print(f"CPU: {cpu_name()}; first step of a fresh process, kernel cache warm, median of {args.runs}")
+    print(f"CPU: {cpu_model()}; first step of a fresh process, kernel cache warm, median of {args.runs}")
     print("| version | model | tensors | first step s | RSS added MiB |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,13 +92,6 @@ def main() -> None:
                 print(f"| {commit or 'this tree'} | {model} | {results[0]['tensors']} | "
                       f"{statistics.median(r['seconds'] for r in results):.2f} | "
                       f"{statistics.median(r['rss_mib'] for r in results):.0f} |", flush=True)
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from smmf.bench.machine import cpu_model
 from smmf.bench.procfs import reset_peak_rss, status_kib
 from smmf.bench.training_memory import PINNED_MMAP_THRESHOLD, WARM_UP_SHAPE, _build
 from smmf.sharding import local
@@ -102,13 +102,7 @@ def run(config: str, world: int, shape: tuple[int, ...], steps: int) -> list[dic
 
 
 def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return platform.machine()
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from .. import SMMF
 from ..kernels import available_backends
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .fresh_process import report, run_child
+from .machine import describe
 from .optimizers import PEERS, missing_package, optimizer_specs
 from .storage import optimizer_state_bytes
 from .procfs import reset_peak_rss, status_kib
@@ -217,6 +218,7 @@ def run(sets: list[str], repeats: int, device: str, peak: bool, show_progress: b
     cpu_peak = peak and device == "cpu" and os.path.exists("/proc/self/clear_refs")
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "machine": describe(device),
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "baseline": baseline_name(device),
@@ -274,7 +276,8 @@ def format_results(results: dict[str, Any], fmt: str = "table") -> str:
         row += [peaks[s].get(name) for s in peaks]
         rows.append(row)
     title = (
-        f"median optimizer step, {results['device']}, {results['threads']} CPU threads, {results['repeats']} "
+        f"median optimizer step, {results.get('machine', results['device'])}, {results['threads']} CPU threads, "
+        f"{results['repeats']} "
         f"interleaved repeats; device copy bandwidth {results['copy_bytes_per_second'] / 1e9:.0f} GB/s (read + write)\n"
     )
     return title + format_table(headers, rows, fmt)
@@ -351,9 +354,10 @@ def _training(args: argparse.Namespace) -> int:
                    for b in budgets for c in ("Adam(foreach=False)", "SMMF + step in backward, bf16 weights (SR)")]
     if args.json:
         print(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                          "runs": found, "largest": largest}, indent=2))
+                          "machine": describe(args.device), "runs": found, "largest": largest}, indent=2))
     else:
         print(study.format_results(found, args.format))
+        print(f"measured on {describe(args.device)}")
         for entry in largest:
             print(f"largest within {entry['budget'] / 2**30:.1f} GiB, {entry['config']}: {entry['layers']} layers, "
                   f"{entry['params'] / 1e6:.0f}M params, peak {(entry['peak'] or 0) / 2**30:.2f} GiB")
