@@ -3,7 +3,7 @@
 Same seed, initialization and batch order for every optimizer; ``--seeds K`` repeats every run on K
 seeds and reports each figure as mean ± standard deviation over them. Writes a markdown and CSV
 table, a JSON with every curve, and PNG plots (mean curves with a min–max band) to ``--out``.
-The default run is the paper's five optimizers and SMMF's recommended option (``smmf.RECOMMENDED``) on
+The default run is the paper's five optimizers, AdamW and SMMF's recommended option (``smmf.RECOMMENDED``) on
 the two quick tasks; ``--tasks stdlib-lm,finetune-lm`` and the peers (``--optimizers ...,torchao-adamw8bit``)
 are opt-in. A peer whose package is missing is a skipped row, with a note.
 """
@@ -16,7 +16,6 @@ import inspect
 import json
 import math
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -30,10 +29,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
-from .optimizers import (DEFAULT_OPTIMIZERS, PAPER_SMMF, RECOMMENDED_SMMF, missing_package, optimizer_specs,
+from .optimizers import (DEFAULT_OPTIMIZERS, LIKE_FOR_LIKE, PAPER_SMMF, RECOMMENDED_SMMF, missing_package, optimizer_specs,
                          parse_opt_args)
 from .plots import by_run, plot_all, run_labels, run_setting
 from .fresh_process import allow_children, report, run_child, stop_children
+from .machine import describe
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
 from .storage import optimizer_state_bytes
@@ -214,15 +214,19 @@ def _spread(values: list[float]) -> str:
 def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     """One row per (task, optimizer) and setting (:func:`~smmf.bench.plots.by_run`): every figure as mean ± std
     over the seeds it ran on; a skipped optimizer (its package missing) is a row that says why."""
-    headers = ["task", "optimizer", "seeds", "metric", "final", "best", f"train loss@{LOSS_AT} (worst seed)",
-               "final train loss", "state KiB", "state / SMMF", f"peak MiB (steps 1-{PEAK_STEPS})", "opt step ms",
-               "train step ms", "run s"]
+    headers = ["task", "optimizer", "seeds", "metric", "final", "best", "final / like-for-like",
+               f"train loss@{LOSS_AT} (worst seed)", "final train loss", "state KiB", "state / SMMF",
+               f"peak MiB (steps 1-{PEAK_STEPS})", "opt step ms", "train step ms", "run s"]
     groups = by_run(results)
     labels = run_labels(groups)
     smmf_state: dict[str, int] = {}  # the first paper-SMMF row of each task, as the ratio's reference
+    finals: dict[tuple[str, str], tuple[float, str]] = {}  # each task's first row of an optimizer: its final, label
     for key, runs in groups.items():
-        if key[1] == PAPER_SMMF and not runs[0].get("skipped"):
+        if runs[0].get("skipped"):
+            continue
+        if key[1] == PAPER_SMMF:
             smmf_state.setdefault(key[0], runs[0]["state_bytes"])
+        finals.setdefault((key[0], key[1]), (statistics.fmean(r["final_metric"] for r in runs), labels[key]))
     rows = []
     for key, runs in groups.items():
         task, first = key[0], runs[0]
@@ -235,8 +239,12 @@ def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[An
         final_loss = [loss_at(r["losses"], len(r["losses"])) for r in runs]
         worst = (max(early) if all(math.isfinite(x) for x in early) else float("nan"))
         short = all((r.get("steps") or len(r["losses"])) < LOSS_AT for r in runs)  # no loss@100 to give: blank
+        baseline = finals.get((task, LIKE_FOR_LIKE.get(key[1], "")))
+        final = statistics.fmean(r["final_metric"] for r in runs)
+        versus = f"{final / baseline[0]:.3f}× {baseline[1]}" if baseline and baseline[0] else None
         rows.append([task, labels[key], len(runs), first["metric"], _spread([r["final_metric"] for r in runs]),
-                     _spread([r["best_metric"] for r in runs]), None if short else f"{_spread(early)} ({worst:.4g})",
+                     _spread([r["best_metric"] for r in runs]), versus,
+                     None if short else f"{_spread(early)} ({worst:.4g})",
                      _spread(final_loss),
                      first["state_bytes"] / 1024, ratio, statistics.fmean(peaks) if peaks else None,
                      statistics.fmean(r["mean_step_ms"] for r in runs),
@@ -250,12 +258,15 @@ def smmf_note(results: list[dict[str, Any]]) -> str:
     labels = {r["optimizer"]: r["label"] for r in results if not r.get("skipped")}
     notes = []
     if PAPER_SMMF in labels:
-        notes.append(f"{labels[PAPER_SMMF]} is the paper's algorithm (M square-matricized)")
+        notes.append(f"{labels[PAPER_SMMF]} is the paper's algorithm (M square-matricized, L2 weight decay as Adam's)")
     if RECOMMENDED_SMMF in labels:
         notes.append(f"{labels[RECOMMENDED_SMMF]} is the recommended option (smmf.RECOMMENDED: magnitude_bits=3, "
                      "a 3-bit level per element rounded stochastically and a scale per 128, decay_rate=-0.8, "
                      "growth_rate=None; "
-                     "decoupled weight decay; see docs/beyond-the-paper.md)")
+                     "decoupled weight decay as AdamW's; see docs/beyond-the-paper.md)")
+    if any(name in labels and baseline in labels for name, baseline in LIKE_FOR_LIKE.items()):
+        notes.append("'final / like-for-like' sets each SMMF row's final metric against the baseline with its "
+                     "weight decay: the paper's SMMF against Adam, the recommended option against AdamW")
     return "; ".join(notes) + "." if notes else ""
 
 
@@ -515,12 +526,6 @@ def _child(job: dict[str, Any]) -> None:
     report(result)
 
 
-def _machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
 PROG = "smmf compare"
 
 
@@ -634,7 +639,7 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     meta = {
         "command": "smmf compare " + " ".join(_argv_echo(args)),
         "code": _code_version(),
-        "machine": _machine(device),
+        "machine": describe(device),
         "device": device.type,
         "seeds": list(range(args.seed, args.seed + args.seeds)),
         "jobs": args.jobs,
