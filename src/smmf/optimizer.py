@@ -45,23 +45,13 @@ ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
 RECOMMENDED: dict[str, Any] = {"magnitude_bits": 3, "momentum_rounding": "stochastic", "decay_rate": -0.8,
                                "growth_rate": None}
-"""The options beyond the paper that we recommend, as ``SMMF`` keyword arguments:
-``SMMF(params, **smmf.RECOMMENDED)``. The block-levels code of M (4.125 bits per parameter instead of the paper
-code's ~1.3), its levels rounded stochastically: on the language models we measured it keeps the loss of a dense
-fp32 M where the paper's code and the natural shape do not (nearest levels fell 11–16% behind at 3× the default
-learning rate). With it β2's decay rate γ = −0.8 (the paper's value for Transformers; the default −0.5 is its value
-for CNNs and for its own pretraining runs): at 3× the default learning rate γ = −0.5 gave V so short a memory that
-even a dense M ended 6% behind AdamW on our development task. And β1 held at ``beta`` (``growth_rate=None``): the
-paper's growth λ = 0.999 takes β1 to 0.33 by step 1000 and 0.12 by step 2000, and training a byte-level GPT from
-scratch for 2000 steps, it left the code 5.4% behind AdamW and a dense M 11.9% (seed 0); with β1 held the code ends
-1.5% ahead of AdamW over three seeds, and on two tasks it was not chosen on it ends within 0.5% of the code with the
-growth. Over short runs the growth helps: held β1 costs 1.5% (300 steps) and 3.4% (400 steps); the whole
-recommendation was confirmed on a task held out from every choice (3 seeds × 3 learning rates). On the CNN task the
-code ends within that task's noise, but at 3× the default learning rate one seed dipped early: the paper calls −0.5
-the steadier value for CNNs, ``dict(smmf.RECOMMENDED, decay_rate=-0.5)``. docs/beyond-the-paper.md, docs/high-lr.md
-and docs/momentum-diagnosis.md have the figures, the tasks each setting was chosen on and those it was confirmed on.
-Weight decay stays SMMF's default, decoupled as AdamW's. The default of ``SMMF`` stays the paper's algorithm. A
-plain dict (configs can copy and store it): take ``dict(smmf.RECOMMENDED)`` to change it."""
+"""The options beyond the paper that we recommend, as ``SMMF`` keyword arguments: ``SMMF(params, **smmf.RECOMMENDED)``.
+M in the block-levels code (``magnitude_bits=3``, 4.125 bits per parameter) with its levels rounded stochastically,
+β2's decay rate γ = −0.8 and β1 held at ``beta``; weight decay stays decoupled, as AdamW's. On the language models
+we measured it keeps AdamW's loss where the paper's code does not; for CNNs ``dict(smmf.RECOMMENDED,
+decay_rate=-0.5)`` is the steadier choice. The evidence, with the tasks each setting was chosen and confirmed on:
+docs/beyond-the-paper.md, docs/high-lr.md, docs/momentum-diagnosis.md. The default of ``SMMF`` stays the paper's
+algorithm. A plain dict: take ``dict(smmf.RECOMMENDED)`` to change it."""
 WEIGHT_DECAY_MODES = ("adamw", "adam")
 NONFINITE_GRADS = ("zero", "propagate")
 # Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
@@ -78,10 +68,9 @@ _TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum"
                      "param_names")
 # The packed bits of M (its signs, the magnitude flag): by rows of the parameter in FSDP2 checkpoints.
 _BIT_KEYS = frozenset({SIGN_M, FLAG_M})
-# A graph break under torch.compile. ``torch.compiler.disable`` imports torch._dynamo as it decorates, which
-# made ``import smmf`` take twice as long as ``import torch`` (3.0 s against 1.5 s on 2 AMD EPYC cores; 1.6 s
-# now). torch's own optimizers use this lazy form: it imports dynamo at the first call, and dynamo never traces
-# into it. The public decorator where a torch lacks it.
+# A graph break under torch.compile, in the lazy form torch's own optimizers use: it imports dynamo at the first
+# call, where ``torch.compiler.disable`` imports it as it decorates, which slowed ``import smmf`` (docs/design.md),
+# and dynamo never traces into it. The public decorator where a torch lacks it.
 _graph_break: Callable[[Callable[..., Any]], Callable[..., Any]] = getattr(torch, "_disable_dynamo",
                                                                       torch.compiler.disable)
 

@@ -99,8 +99,8 @@ def _tolerate_broken_cache(dispatcher: Any) -> None:
 _LOCK_FILE = "smmf-cache.lock"
 # A lock held longer than this (a stopped process, a debugger) is waited out with one warning.
 _LOCK_PATIENCE_S = 60.0
-# Another process's compile of a signature is waited for this long at most, then compiled here too (the
-# largest kernels take about 30 s of CPU to compile, more on a loaded machine).
+# Another process's compile of a signature is waited for this long at most, then compiled here too (well
+# above the largest kernel's compile, even on a loaded machine: docs/design.md).
 _COMPILE_PATIENCE_S = 300.0
 # A wait for another process's compile longer than this says once what this process waits for.
 _COMPILE_NOTICE_S = 120.0

@@ -35,12 +35,10 @@ from .elements import (
 from .structs import Geometry, Options, Scalars
 
 # Rows are walked in tiles of this many columns, so that the tile's column factors and column sums
-# (4 × 4 KiB in fp32) stay in L1 while the rows stream past (256: 1.3×, 4096: 1.1× the step time of
-# 1024 on a 4096×4096 tensor, one thread).
+# (4 × 4 KiB in fp32) stay in L1 while the rows stream past (measured against 256 and 4096: docs/design.md).
 COLUMN_TILE = 1024
 # Elements of the next row's segment prefetched while this one runs (a 4096-element page of fp32 is
-# a new stream for the hardware prefetcher; 256: 9–18% off the 52M set's step at 2 threads, 64 and
-# the whole segment less).
+# a new stream for the hardware prefetcher; measured against 64 and the whole segment: docs/design.md).
 PREFETCH = 256
 
 _PASS: dict[str, Any] = dict(error_model="numpy", fastmath=FASTMATH)
