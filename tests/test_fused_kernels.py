@@ -461,6 +461,27 @@ def test_the_kernels_compile_once_and_fresh_processes_load_them_from_the_cache(c
     assert runs[0]["result"] == runs[1]["result"] == runs[2]["result"]
 
 
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+def test_a_kernels_cache_entry_is_keyed_on_every_source_it_compiles_from(tmp_path) -> None:
+    """numba keys an entry on the cached function's own file: an edit of elements.py (inlined into passes.py's
+    kernels), as a fix of the element math or an upgrade brings, kept loading the old code."""
+    from pathlib import Path
+
+    from smmf.kernels.numba_cpu import cache, levels, passes
+
+    here = Path(cache.__file__).parent
+    assert {here / "elements.py", here / "access.py", here.parents[1] / "levels.py"} <= set(cache._SOURCES)
+    for kernel in (passes.many_kernel, levels._levels_kernel_serial):
+        assert kernel._cache._cache_file._source_stamp[1] == cache.sources_digest()
+    copies = tuple(tmp_path / str(i) for i in range(len(cache._SOURCES)))
+    for path, copy in zip(cache._SOURCES, copies):
+        copy.write_bytes(path.read_bytes())
+    assert cache.digest_of(copies) == cache.sources_digest()
+    edited = copies[[p.name for p in cache._SOURCES].index("elements.py")]
+    edited.write_text(edited.read_text() + "\n# an edit\n")
+    assert cache.digest_of(copies) != cache.sources_digest()
+
+
 def test_a_broken_cache_file_is_compiled_again_with_one_warning(tmp_path) -> None:
     """A truncated or overwritten ``.nbi``/``.nbc`` used to make every later process fail at its
     first step until the files were deleted by hand; now the process warns once, compiles, writes a

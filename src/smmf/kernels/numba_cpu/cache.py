@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numba
@@ -38,6 +40,7 @@ def cached_njit(**options: Any) -> Any:
             dispatcher = numba.njit(cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
             return numba.njit(**options)(fn)
+        _stamp_with_sources(dispatcher)
         _tolerate_broken_cache(dispatcher)
         _take_turns(dispatcher)  # outermost: a broken entry's index is dropped under the lock
         _compile_once(dispatcher)
@@ -56,6 +59,35 @@ def _warn_broken_cache(action: str, error: BaseException, instead: str = "compil
         _cache_warned.add(action)
         warnings.warn(f"smmf: numba's cache of the fused kernels could not be {action} ({type(error).__name__}: "
                       f"{error}); {instead}. Warned once per process.", RuntimeWarning, stacklevel=2)
+
+
+# The sources a kernel's compiled code depends on: this package's modules (inlined into the cached
+# kernels) and the constants of smmf.levels.
+_SOURCES = (*sorted(Path(__file__).parent.glob("*.py")), Path(__file__).parents[2] / "levels.py")
+
+
+def digest_of(paths: tuple[Path, ...]) -> str:
+    """A hash of the contents of ``paths``, in order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def sources_digest() -> str:
+    """:func:`digest_of` the kernels' sources, read once per process."""
+    return digest_of(_SOURCES)
+
+
+def _stamp_with_sources(dispatcher: Any) -> None:
+    """numba keys a cache entry on the source file of the cached function alone, so an edit of an inlined
+    helper in another module (elements.py, an upgrade that rewrote it) would keep loading the old code: the
+    stamp gets a digest of every source the kernels compile from."""
+    cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+    if cache_file is not None and hasattr(cache_file, "_source_stamp"):
+        cache_file._source_stamp = (cache_file._source_stamp, sources_digest())
 
 
 class _WrongEntry(LookupError):
