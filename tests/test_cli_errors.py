@@ -32,6 +32,8 @@ CLI_CASES = {
     "compare zero seeds": (["compare", "--seeds", "0"], "--seeds must be between 1 and 1000, got 0"),
     "compare huge seeds": (["compare", "--seeds", "1000000000000"], "--seeds must be between 1 and 1000"),
     "compare empty out": (["compare", "--out", ""], "--out names no directory"),
+    "compare bad seeds with a new cache": (["compare", "--tasks", "finetune-lm", "--cache", "{tmp}/new-cache",
+                                            "--seeds", "0"], "--seeds must be between 1 and 1000, got 0"),
     "compare into another study": (["compare", "--out", "{tmp}/study"], "--out {tmp}/study holds another study (1 "
                                    "run(s) of `smmf compare --tasks digits-cnn`): add --resume"),
     "compare into a folder with foreign results": (["compare", "--out", "{tmp}/foreign"], "holds another study (a "

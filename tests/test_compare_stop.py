@@ -87,3 +87,78 @@ def test_a_stopped_study_ends_whole_keeps_its_finished_runs_and_says_how_to_resu
     table = (out / "results.md").read_text()
     assert all(r["label"] in table for r in runs)
     assert (out / "loss.png").exists()  # the plots are of these runs, not of an earlier study's
+
+
+def test_a_stop_during_a_resume_keeps_the_earlier_runs_it_had_not_reached(monkeypatch) -> None:
+    """``--resume`` takes an earlier run when it reaches its job: a stop before that wrote the results without it,
+    and the run was lost from the folder."""
+    import torch
+
+    from smmf.bench import compare
+
+    kwargs = dict(tasks=["digits-cnn"], steps=2, seed=0, device=torch.device("cpu"), opt_args=[], quick=True,
+                  show_progress=False)
+    kept = compare.run(optimizers=["adam", "smmf"], **kwargs)
+
+    def interrupted(job: dict, announce: bool = False) -> dict:
+        raise compare.Interrupted(signal.SIGINT)  # Ctrl-C while sm3, the first job, trains
+
+    monkeypatch.setattr(compare, "_timed_run", interrupted)
+    with pytest.raises(compare.StudyStopped) as stopped:
+        compare.run(optimizers=["sm3", "adam", "smmf"], kept=kept, **kwargs)
+    assert stopped.value.finished == kept and stopped.value.not_run == 1
+
+
+def test_a_signal_ignored_when_the_study_starts_stays_ignored() -> None:
+    """``nohup smmf compare ...`` ignores SIGHUP: the study must not stop when the terminal closes."""
+    from smmf.bench.compare import signals_stop_the_study
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with signals_stop_the_study():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+_SLEEPER = """
+import sys, time
+from smmf.bench.fresh_process import die_with_parent
+die_with_parent()
+print("started", flush=True)
+time.sleep(60)
+"""
+
+_PARENT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from smmf.bench.fresh_process import run_child
+run_child("sleeper", [], "the sleeper", own_session=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_in_its_own_session_ends_with_its_parent_even_when_the_parent_is_killed(tmp_path: Path) -> None:
+    """A child in a session of its own no longer gets the signals of its parent's process group: when the parent is
+    killed outright (SIGKILL, a CI cancel), the child must still end."""
+    (tmp_path / "sleeper.py").write_text(_SLEEPER)
+    mark = f"SMMF_STOP_TEST=orphan-{os.getpid()}"
+    env = dict(os.environ, SMMF_STOP_TEST=mark.split("=", 1)[1], PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_marked(mark)) < 2:  # the parent and its child
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.0)  # the child has asked for its parent's death signal
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _marked(mark) == [], "the child outlived its killed parent"
+    finally:
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)

@@ -32,7 +32,7 @@ from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import (DEFAULT_OPTIMIZERS, LIKE_FOR_LIKE, PAPER_SMMF, RECOMMENDED_SMMF, missing_package, optimizer_specs,
                          parse_opt_args)
 from .plots import by_run, plot_all, run_labels, run_setting
-from .fresh_process import allow_children, report, run_child, stop_children
+from .fresh_process import allow_children, die_with_parent, hold_interrupt, report, run_child, stop_children
 from .machine import describe
 from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
@@ -65,18 +65,26 @@ class StudyStopped(Exception):
 
 @contextlib.contextmanager
 def signals_stop_the_study() -> Iterator[None]:
-    """SIGINT (Ctrl-C), SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread; a second one while the
-    study stops is ignored, so that the stop can write what finished. Elsewhere than the main thread, nothing."""
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread (held while it starts a
+    child: :func:`~smmf.bench.fresh_process.hold_interrupt`); a second one while the study stops is ignored, so
+    that the stop can write what finished. A signal ignored when the study started stays ignored (``nohup``: the
+    terminal's hangup must not stop it). Elsewhere than the main thread, nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum: int, _frame: Any) -> None:
-        for other in STOP_SIGNALS:
+        for other in handled:
             signal.signal(other, signal.SIG_IGN)
-        raise Interrupted(signum)
 
-    previous = {signum: signal.signal(signum, interrupt) for signum in STOP_SIGNALS}
+        def raise_it() -> None:
+            raise Interrupted(signum)
+
+        if not hold_interrupt(raise_it):
+            raise_it()
+
+    handled = [signum for signum in STOP_SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
+    previous = {signum: signal.signal(signum, interrupt) for signum in handled}
     try:
         yield
     finally:
@@ -350,8 +358,11 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
     stopping = threading.Event()
 
     def ended() -> list[dict[str, Any]]:
-        return [s.result() if isinstance(s, Future) else s for s in list(slots)
-                if not isinstance(s, Future) or (s.done() and not s.cancelled() and s.exception() is None)]
+        """The finished runs in order, and the earlier runs this command takes that it has not reached yet."""
+        done_now = [s.result() if isinstance(s, Future) else s for s in list(slots)
+                    if not isinstance(s, Future) or (s.done() and not s.cancelled() and s.exception() is None)]
+        reached = {id(r) for r in done_now}
+        return done_now + [r for key, r in earlier.items() if id(r) not in reached and key in made_here]
 
     def done(_: Any = None) -> None:
         if finished is None or stopping.is_set():
@@ -366,7 +377,9 @@ def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int
     try:
         _submit(planned, earlier, skipped, slots, pool, seed, device, cache, pretrain_steps, show_progress, done)
         if pool is not None:
-            return [s if isinstance(s, dict) else s.result() for s in slots]
+            results = [s if isinstance(s, dict) else s.result() for s in slots]
+            pool.shutdown(wait=True)  # the last run's report (done) is written before the caller's final one
+            return results
         return slots
     except Interrupted as interrupt:
         stopping.set()
@@ -511,10 +524,11 @@ def train_in_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
     blocks of 128 KiB and more by mmap from the start (so the heap holds no large free chunk to reuse)
     until the peak has been read; see ``PEAK_STEPS``."""
     return run_child("smmf.bench.compare", ["--child", json.dumps(job)], f"the {job['optimizer']} run on {job['task']}",
-                     PINNED_MMAP_THRESHOLD, show_stderr=True, threads=job.get("threads"))
+                     PINNED_MMAP_THRESHOLD, show_stderr=True, threads=job.get("threads"), own_session=True)
 
 
 def _child(job: dict[str, Any]) -> None:
+    die_with_parent()
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
     device = torch.device(job["device"])
@@ -569,8 +583,6 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
         fail(PROG, f"--steps must be at least 1, got {args.steps}")
     if args.pretrain_steps is not None and args.pretrain_steps < 1:
         fail(PROG, f"--pretrain-steps must be at least 1, got {args.pretrain_steps}")
-    if "finetune-lm" in tasks:
-        writable_dir(PROG, "--cache", str(cache_root(args.cache)))
     if not 1 <= args.seeds <= MAX_SEEDS:
         fail(PROG, f"--seeds must be between 1 and {MAX_SEEDS}, got {args.seeds}")
     if not 0 <= args.seed <= 2**63 - args.seeds:  # torch.manual_seed takes less than 2**64; numpy less than 2**63
@@ -608,6 +620,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], torch.de
         fail(PROG, "--out names no directory")
     if not args.resume:
         _refuse_another_study(Path(args.out))
+    if "finetune-lm" in tasks:  # last, with --out: these create their folders
+        writable_dir(PROG, "--cache", str(cache_root(args.cache)))
     return tasks, optimizers, device, opt_args, writable_dir(PROG, "--out", args.out)
 
 
