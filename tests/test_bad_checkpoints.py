@@ -63,7 +63,9 @@ IMPOSSIBLE_VALUES = {
     "levels scales inf": ({"magnitude_bits": 3}, "scales_m", float("inf"), "1 NaN or infinite"),
     "levels scales negative": ({"magnitude_bits": 3}, "scales_m", -2.0, "1 negative"),
     "levels col_v nan": ({"magnitude_bits": 3}, "col_v", float("nan"), "1 NaN or infinite"),
-    "dense exp_avg nan": ({"vector_reshape": False}, "exp_avg", float("nan"), "1 NaN or infinite"),
+    "dense exp_avg nan": ({"vector_reshape": False}, "exp_avg", float("nan"), "1 NaN"),
+    "dense exp_avg_sq nan": ({"vector_reshape": False}, "exp_avg_sq", float("nan"), "1 NaN"),
+    "fp64 factor beyond fp32": ({}, "row_v", 1e39, "1 NaN or infinite"),
     "dense exp_avg_sq negative": ({"vector_reshape": False}, "exp_avg_sq", -1.0, "1 negative"),
 }
 
@@ -77,6 +79,8 @@ def test_a_checkpoint_with_values_no_step_leaves_is_rejected_and_changes_nothing
     bad = copy.deepcopy(opt.state_dict())
     last = bad["state"][len(bad["state"]) - 1]
     assert key in last, sorted(last)
+    if value == 1e39:  # saved in fp64, loaded into fp32 factors: inf once cast
+        last[key] = last[key].double()
     last[key].view(-1)[0] = value
     snapshot = snapshot_of(opt, params)
     with pytest.raises(ValueError, match=f"parameter 1: state '{key}' holds {match}"):
@@ -90,6 +94,17 @@ def test_a_dense_first_moment_may_be_negative() -> None:
     params, opt = trained_smmf(vector_reshape=False)
     saved = opt.state_dict()
     assert bool((saved["state"][1]["exp_avg"] < 0).any())
+    opt.load_state_dict(copy.deepcopy(saved))
+
+
+def test_the_optimizers_own_checkpoint_after_a_huge_finite_gradient_loads() -> None:
+    """The dense second moment is not capped: a finite gradient of 1e30 squares to inf there (as in Adam), and the
+    checkpoint that state makes must load."""
+    params, opt = trained_smmf(vector_reshape=False)
+    params[1].grad = torch.full_like(params[1], 1e30)
+    opt.step()
+    saved = opt.state_dict()
+    assert bool(saved["state"][1]["exp_avg_sq"].isinf().any())
     opt.load_state_dict(copy.deepcopy(saved))
 
 

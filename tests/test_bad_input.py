@@ -299,7 +299,10 @@ CHANGED_OPTIONS = [("nonfinite_grads", "Zero", "Unknown nonfinite_grads: 'Zero'"
                    ("maximize", 1, "maximize should be a bool"),
                    ("momentum_rounding", "Stochastic", "Unknown momentum_rounding"),
                    ("backend", "cuda", "Unknown backend: 'cuda'"),
-                   ("lr", torch.tensor([1e-3, 1e-3]), "Tensor lr must be 1-element")]
+                   ("lr", torch.tensor([1e-3, 1e-3]), "Tensor lr must be 1-element"),
+                   ("maximize", 0, "maximize should be a bool"),  # equal to False, not a bool
+                   ("magnitude_bits", 0.0, "magnitude_bits should be one of"),  # equal to 0
+                   ("eps", torch.tensor([1e-8, 1e-8]), "eps should be a number")]
 
 
 @pytest.mark.parametrize("backend", ["torch", *CPU_FUSED_BACKENDS])
@@ -341,12 +344,15 @@ def test_a_tensor_lr_changed_in_place_is_checked_at_each_step() -> None:
     assert_unchanged(opt, [param], saved)
 
 
-def test_a_deleted_option_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("key", ["eps", "growth_rate"])
+def test_a_deleted_option_is_named(key: str) -> None:
+    """``growth_rate=None`` deleted reads as None to ``dict.get``: still missing."""
     param = torch.nn.Parameter(torch.randn(4, 6))
-    opt = SMMF([param])
-    del opt.param_groups[0]["eps"]
+    opt = SMMF([param], growth_rate=None)
     param.grad = torch.randn(4, 6)
-    with pytest.raises(ValueError, match=r"lacks SMMF's options \['eps'\]"):
+    opt.step()
+    del opt.param_groups[0][key]
+    with pytest.raises(ValueError, match=rf"lacks SMMF's options \['{key}'\]"):
         opt.step()
 
 

@@ -597,7 +597,8 @@ def run_nonfinite(device: str) -> None:
     gen = torch.Generator().manual_seed(8)
     codes = [dict(beta=0.9), dict(beta=0.9, momentum_shape="natural"), dict(beta=0.9, magnitude_bits=1),
              dict(beta=0.9, magnitude_bits=3), dict(beta=None)]
-    cases = [(float("nan"), None, True), (float("inf"), None, False), (None, float("inf"), False)]
+    cases = [(float("nan"), None, True), (float("nan"), None, False), (float("inf"), None, True),
+             (float("inf"), None, False), (None, float("inf"), False)]
     for options in codes:
         for weight, grad, zero in cases:
             for shape in [(64, 48), (13,)]:

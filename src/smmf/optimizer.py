@@ -133,6 +133,16 @@ def _validate_group(group: dict[str, Any]) -> None:
     check_backend(group["backend"])
 
 
+_MISSING = object()
+
+
+def _options_key(group: dict[str, Any]) -> tuple:
+    """A group's options as :meth:`SMMF._check_options` compares them: each value with its type (``True`` is not
+    ``1``, ``3`` not ``3.0``), a tensor by identity, a missing key as missing."""
+    return tuple((type(value), id(value) if isinstance(value, Tensor) else value)
+                 for value in (group.get(key, _MISSING) for key in _OPTION_KEYS))
+
+
 def _reject_non_float(param: Tensor) -> None:
     if not (param.is_floating_point() or param.is_complex()):
         raise ValueError(f"SMMF optimizes floating-point or complex parameters, got a {param.dtype} parameter")
@@ -420,10 +430,13 @@ class SMMF(Optimizer):
         """Check a group's options again when they changed since the last check (schedulers and frameworks
         write ``param_groups``): the constructor's checks, and messages. A tensor ``lr`` is checked at every
         step, since it may change in place."""
-        if isinstance(group.get("lr"), Tensor) or self._checked.get(id(group)) != tuple(map(group.get, _OPTION_KEYS)):
+        if isinstance(group.get("lr"), Tensor) or self._checked.get(id(group)) != _options_key(group):
             self._checked.pop(id(group), None)
             _validate_group(group)
-            self._checked[id(group)] = tuple(group[key] for key in _OPTION_KEYS)
+            if len(self._checked) > 2 * len(self.param_groups):  # forget groups that are gone
+                self._checked = {key: value for key, value in self._checked.items()
+                                 if any(id(g) == key for g in self.param_groups)}
+            self._checked[id(group)] = _options_key(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As :meth:`torch.optim.Optimizer.zero_grad`; under :func:`smmf.step_in_backward` it does
@@ -569,9 +582,14 @@ class SMMF(Optimizer):
         return state_dict
 
     def _saved_params(self, state_dict: dict[str, Any]) -> Iterable[tuple[Tensor, Any]]:
-        """Each param with its id in ``state_dict`` (groups and their params in order)."""
+        """Each param with its id in ``state_dict`` (groups and their params in order), once: a param a group
+        holds twice has one id and one state."""
+        seen = set()
         for group, saved in zip(self.param_groups, state_dict.get("param_groups") or []):
-            yield from zip(group["params"], saved.get("params", []) if isinstance(saved, dict) else [])
+            for param, pid in zip(group["params"], saved.get("params", []) if isinstance(saved, dict) else []):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param, pid
 
     def _bits_in_memory_layout(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` with the bits saved by rows (:meth:`state_dict`) in this optimizer's own

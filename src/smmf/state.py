@@ -306,15 +306,29 @@ def _refuse_layout_change() -> None:
     )
 
 
-def _refuse_impossible_values(value: Tensor, key: str, where: str) -> None:
-    """What a step can leave in a state tensor: finite values (a factor sum is capped), non-negative but in
-    the dense first moment. Checked when a checkpoint loads: a NaN factor would make every weight NaN."""
-    if not bool(value.isfinite().all()):
-        raise ValueError(f"{where}: state '{key}' holds {int((~value.isfinite()).sum())} NaN or infinite value(s); "
-                         "a step leaves it finite (was the run that saved it diverged, or the checkpoint damaged?)")
-    if key != EXP_AVG and bool((value < 0).any()):
-        raise ValueError(f"{where}: state '{key}' holds {int((value < 0).sum())} negative value(s); a step leaves "
-                         "it non-negative (is the checkpoint damaged?)")
+def _refuse_impossible_values(value: Tensor, dtype: torch.dtype, key: str, where: str) -> None:
+    """What a step can leave in a state tensor (``value`` as it will be kept, in ``dtype``): factors, levels and
+    scales finite and non-negative (their sums are capped); the dense second moment non-negative, infinite where a
+    huge finite gradient squared to inf, as Adam's; the dense first moment of any sign. NaN only where
+    ``nonfinite_grads="propagate"`` let a NaN gradient in, a run that had diverged. Checked when a checkpoint loads,
+    on this rank's piece of a DTensor with the counts summed over its mesh, so that every rank refuses alike: a NaN
+    factor would make every weight NaN."""
+    piece = local(value).to(dtype)
+    none = torch.zeros((), dtype=torch.int64, device=piece.device)
+    dense = key in (EXP_AVG, EXP_AVG_SQ)
+    counts = torch.stack([piece.isnan().sum(), none if dense else piece.isinf().sum(),
+                          none if key == EXP_AVG else (piece < 0).sum()])
+    if is_dtensor(value):
+        torch.distributed.all_reduce(counts, group=value.device_mesh.get_group())
+    nan, inf, negative = (int(c) for c in counts.tolist())
+    if nan or inf:
+        raise ValueError(f"{where}: state '{key}' holds {nan + inf} {'NaN' if dense else 'NaN or infinite'} "
+                         f"value(s); a step leaves it {'without NaN' if dense else 'finite'} unless "
+                         "nonfinite_grads='propagate' let a NaN gradient in (was the run that saved it diverged, or "
+                         "the checkpoint damaged?)")
+    if negative:
+        raise ValueError(f"{where}: state '{key}' holds {negative} negative value(s); a step leaves it non-negative "
+                         "(is the checkpoint damaged?)")
 
 
 def check_loaded_state(
@@ -342,7 +356,7 @@ def check_loaded_state(
         if spec.dtype != torch.uint8 and not value.is_floating_point():
             raise ValueError(f"{where}: state '{key}' must be a floating-point tensor, not {value.dtype}")
         if spec.dtype != torch.uint8:
-            _refuse_impossible_values(local(value), key, where)
+            _refuse_impossible_values(value, spec.dtype, key, where)
     step = state[STEP]
     step_value = step.item() if isinstance(step, Tensor) and step.numel() == 1 else step
     if (
