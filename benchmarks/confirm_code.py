@@ -28,8 +28,8 @@ AdamW (``docs/high-lr.md``), declared before its runs: ``c-headers-lm-small`` ag
 γ = −0.8 candidate against AdamW, its own bound (a dense M with γ = −0.8) and the code with γ = −0.5:
 
     python benchmarks/confirm_code.py --task c-headers-lm-small --candidate levels3sr-128-decoupled-wd-g08 \
-        --bound dense-m-decoupled-wd-g08 --last levels3sr-128-decoupled-wd --out docs/high-lr/confirmation-g08 \
-        --shard 0/2   # and --shard 1/2; AdamW's and the last row's runs are those of docs/high-lr/confirmation
+        --bound dense-m-decoupled-wd-g08 --last levels3sr-128-decoupled-wd --out results/high-lr/confirmation-g08 \
+        --shard 0/2   # and --shard 1/2; AdamW's and the last row's runs are those of results/high-lr/confirmation
 
 The fourth, of ``smmf.RECOMMENDED`` as a whole once β1 is held (``growth_rate=None``, chosen on ``stdlib-lm``,
 ``docs/momentum-diagnosis.md``), declared before its runs: ``cpp-headers-lm-small`` (the same model and budget on
@@ -38,7 +38,7 @@ M, γ = −0.8, β1 held), the code, and last the code with β1's growth (the re
 
     python benchmarks/confirm_code.py --task cpp-headers-lm-small \
         --candidate levels3sr-128-decoupled-wd-g08-const-beta1 --bound dense-m-decoupled-wd-g08-const-beta1 \
-        --last levels3sr-128-decoupled-wd-g08 --out docs/recommended-confirmation --shard 0/2   # and --shard 1/2
+        --last levels3sr-128-decoupled-wd-g08 --out results/code-of-m/recommended-confirmation --shard 0/2   # and --shard 1/2
 
 It passes if, at each optimizer's best learning rate, the code's 3-seed mean held-out loss is within 2% of its
 bound's at 25, 50 and 100% of the budget and within 2% of AdamW's at 100%.
@@ -130,7 +130,7 @@ def report(runs: list[dict[str, Any]], names: tuple[str, ...]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="docs/code-confirmation")
+    parser.add_argument("--out", default="results/code-of-m/code-confirmation")
     parser.add_argument("--task", default="stdlib-lm-small", help="the held-out task (a study task)")
     parser.add_argument("--candidate", default=CANDIDATE, choices=sorted(VARIANTS))
     parser.add_argument("--bound", default=BOUND, choices=sorted(VARIANTS), help="the candidate with a dense M")

@@ -9,7 +9,7 @@
 # (GPT-2 medium and large; the largest model within 24 GiB and within the card); opt-in, `study`:
 # `smmf compare` on stdlib-lm and finetune-lm with the peers, 3 seeds, runs side by side on the GPU
 # (partial results are kept when a task hits its limit), beside the tests; resumed from the runs committed in
-# docs/lm-study (`--resume` keeps those this command would make again), so that sessions add up.
+# results/lm-study-gpu (`--resume` keeps those this command would make again), so that sessions add up.
 # Writes at most 8 files to $OUT (default ./gpu-out). Needs torch with CUDA, triton, numba, transformers,
 # pytest, pytest-xdist, pytest-timeout and hypothesis (the study: pytorch_optimizer and the peers, which
 # may come on PYTHONPATH).
@@ -53,7 +53,7 @@ if wanted study; then
   i=0
   for task in stdlib-lm finetune-lm; do
     mkdir -p "runs/study-$task"
-    [[ -f "runs/study-$task/results.json" ]] || cp "docs/lm-study/$task/results.json" "runs/study-$task/" 2>/dev/null
+    [[ -f "runs/study-$task/results.json" ]] || cp "results/lm-study-gpu/$task/results.json" "runs/study-$task/" 2>/dev/null
     timeout "${limits[$i]:-180}" python3 -m smmf.cli compare --device cuda --tasks $task --seeds 3 --jobs 8 \
       --optimizers adamw,adam,adafactor,sm3,came,smmf,smmf-natural,smmf-natural-flag,smmf-recommended,torchao-adamw8bit,torchao-adamw4bit,bnb-adamw8bit,adv-adamw-factored \
       --cache runs/cache --out "runs/study-$task" --resume > "runs/study-$task.log" 2>&1

@@ -9,8 +9,8 @@ loss@100), ``results.csv``, ``results.json`` and the curves with a band across s
 keeps the commit it ran at; the report's header lists them. Rows differ in their number of seeds; the table's
 "seeds" column says how many each has.
 
-    python benchmarks/merge_results.py --task stdlib-lm --device cpu --out docs/stdlib-cpu-all docs/stdlib-cpu \
-        docs/stdlib-cpu-held-beta1 ...
+    python benchmarks/merge_results.py --task stdlib-lm --device cpu --out results/stdlib-lm-cpu/stdlib-cpu-all results/stdlib-lm-cpu/stdlib-cpu \
+        results/stdlib-lm-cpu/stdlib-cpu-held-beta1 ...
 """
 
 from __future__ import annotations

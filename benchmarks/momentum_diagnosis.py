@@ -21,7 +21,7 @@ starts from the decoded M̂; the step itself uses this step's uncompressed M and
 against ``torch.optim.Adam``, step by step, in float64.
 
     python benchmarks/momentum_diagnosis.py --tasks pydoc-lm,digits-cnn --variants smmf,dense-m --seed 0 \
-        --out docs/momentum-diagnosis
+        --out results/code-of-m/momentum-diagnosis
 
 Every run is its own JSON under ``OUT/runs`` (a run already there is skipped, so an interrupted study
 resumes); every invocation then rewrites ``OUT/results.json`` and ``OUT/results.md`` from all runs there.
@@ -745,7 +745,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--lr-scale", type=float, default=1.0,
                         help="every optimizer's learning rate times this (give each scale its own --out)")
     parser.add_argument("--threads", type=int, help="torch threads")
-    parser.add_argument("--out", default="docs/momentum-diagnosis")
+    parser.add_argument("--out", default="results/code-of-m/momentum-diagnosis")
     parser.add_argument("--check", action="store_true", help="verify the study optimizer, then exit")
     parser.add_argument("--report", action="store_true", help="only rewrite results.json/.md from OUT/runs")
     parser.add_argument("--code-errors", metavar="STEPS",

@@ -20,3 +20,27 @@ def test_the_unreleased_notes_are_at_most_60_lines_grouped_once_one_line_per_cha
     groups = [line for line in lines if line.startswith("### ")]
     assert len(groups) == len(set(groups)) and set(groups) <= {"### Added", "### Changed", "### Fixed"}, groups
     assert not [line for line in lines if line.startswith("  ")], "a change takes one line"
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "results").rglob("*.md")),
+            *sorted((ROOT / "benchmarks").glob("*.md"))]
+
+
+def test_every_relative_link_of_the_pages_resolves() -> None:
+    broken = []
+    for page in _pages():
+        for target in _LINK.findall(page.read_text()):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (page.parent / target.partition("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+def test_docs_holds_pages_and_results_holds_the_run_data() -> None:
+    assert sorted({p.suffix for p in (ROOT / "docs").rglob("*") if p.is_file()}) == [".md"]
+    assert not [p for p in (ROOT / "docs").iterdir() if p.is_dir()]
