@@ -44,3 +44,18 @@ def test_every_relative_link_of_the_pages_resolves() -> None:
 def test_docs_holds_pages_and_results_holds_the_run_data() -> None:
     assert sorted({p.suffix for p in (ROOT / "docs").rglob("*") if p.is_file()}) == [".md"]
     assert not [p for p in (ROOT / "docs").iterdir() if p.is_dir()]
+
+
+def test_results_readme_indexes_every_run_folder() -> None:
+    index = (ROOT / "results" / "README.md").read_text()
+    runs = [run for study in (ROOT / "results").iterdir() if study.is_dir() for run in study.iterdir() if run.is_dir()]
+    assert runs
+    missing = [run.relative_to(ROOT / "results").as_posix() for run in runs
+               if f"]({run.relative_to(ROOT / 'results').as_posix()}/)" not in index]
+    assert not missing, f"not in results/README.md (python benchmarks/index_results.py): {missing}"
+
+
+def test_benchmarks_readme_names_every_script() -> None:
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = [p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")]
+    assert not [name for name in scripts if f"`{name}`" not in readme and name not in readme]
