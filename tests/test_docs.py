@@ -59,3 +59,14 @@ def test_benchmarks_readme_names_every_script() -> None:
     readme = (ROOT / "benchmarks" / "README.md").read_text()
     scripts = [p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")]
     assert not [name for name in scripts if f"`{name}`" not in readme and name not in readme]
+
+
+def test_the_readme_is_at_most_150_lines_without_commit_hashes() -> None:
+    """The front door: what SMMF is, install, the two quick-start commands, the API and one table at a glance;
+    the figures' commands, commits and machines are on the pages it links."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert not re.findall(r"(?<![0-9a-z])[0-9a-f]{7,40}(?![0-9a-z])", readme.replace("arXiv:2412.08894", ""))
+    for section in ("## Install", "## Quick start", "## Usage", "## At a glance", "## Where SMMF loses"):
+        assert section in readme, section
+    assert "python -m pytest -q -n 2 --dist worksteal" in readme and "smmf compare --out runs/compare" in readme
