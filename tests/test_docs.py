@@ -70,3 +70,22 @@ def test_the_readme_is_at_most_150_lines_without_commit_hashes() -> None:
     for section in ("## Install", "## Quick start", "## Usage", "## At a glance", "## Where SMMF loses"):
         assert section in readme, section
     assert "python -m pytest -q -n 2 --dist worksteal" in readme and "smmf compare --out runs/compare" in readme
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in page.read_text().splitlines() if line.startswith("#")}
+
+
+def test_every_link_to_a_heading_of_a_page_finds_it() -> None:
+    broken = []
+    for page in _pages():
+        for target in _LINK.findall(page.read_text()):
+            path, _, anchor = target.partition("#")
+            if not anchor or re.match(r"^[a-z]+:", target) or not (path == "" or path.endswith(".md")):
+                continue
+            linked = page if path == "" else page.parent / path
+            if linked.exists() and anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
