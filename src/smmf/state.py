@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, cast
 
 import torch
 from torch import Tensor
@@ -319,7 +319,7 @@ def _refuse_impossible_values(value: Tensor, dtype: torch.dtype, key: str, where
     counts = torch.stack([piece.isnan().sum(), none if dense else piece.isinf().sum(),
                           none if key == EXP_AVG else (piece < 0).sum()])
     if is_dtensor(value):
-        torch.distributed.all_reduce(counts, group=value.device_mesh.get_group())
+        torch.distributed.all_reduce(counts, group=cast(Any, value).device_mesh.get_group())
     nan, inf, negative = (int(c) for c in counts.tolist())
     if nan or inf:
         raise ValueError(f"{where}: state '{key}' holds {nan + inf} {'NaN' if dense else 'NaN or infinite'} "
