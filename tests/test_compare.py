@@ -482,8 +482,8 @@ def test_resume_tells_finetune_runs_apart_by_their_pretraining(tmp_path) -> None
     task = TASKS["finetune-lm"]
     assert _job_key(task, job) == _job_key(task, {**job, "pretrain_steps": PRETRAIN_STEPS})
     assert _job_key(task, job) != _job_key(task, {**job, "pretrain_steps": 100})
-    kwargs = {"lr": "0.0003", "betas": "(0.9, 0.999)", "eps": "1e-08", "weight_decay": "0.0005"}
-    result = {"task": "finetune-lm", "optimizer": "adamw", "label": "AdamW (torch)", "seed": 0, "kwargs": kwargs,
+    kwargs = {"lr": "0.0003", "betas": "(0.9, 0.999)", "eps": "1e-08", "weight_decay": "0.0005", "fused": "True"}
+    result = {"task": "finetune-lm", "optimizer": "adamw", "label": "AdamW (torch, fused)", "seed": 0, "kwargs": kwargs,
               "losses": [1.0] * 300, "evals": [{"step": 15 * k} for k in range(1, 21)], "diverged": False,
               "metric": "held_out_loss", "final_metric": 1.0, "best_metric": 1.0, "state_bytes": 8, "peak_bytes": None,
               "mean_step_ms": 1.0, "mean_train_step_ms": 2.0}
