@@ -431,11 +431,10 @@ class SMMF(Optimizer):
         write ``param_groups``): the constructor's checks, and messages. A tensor ``lr`` is checked at every
         step, since it may change in place."""
         if isinstance(group.get("lr"), Tensor) or self._checked.get(id(group)) != _options_key(group):
-            self._checked.pop(id(group), None)
-            _validate_group(group)
+            _validate_group(group)  # raises before the key is kept: a refused value is checked again next step
             if len(self._checked) > 2 * len(self.param_groups):  # forget groups that are gone
-                self._checked = {key: value for key, value in self._checked.items()
-                                 if any(id(g) == key for g in self.param_groups)}
+                live = {id(g) for g in self.param_groups}
+                self._checked = {key: value for key, value in self._checked.items() if key in live}
             self._checked[id(group)] = _options_key(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -277,8 +277,7 @@ def format_results(results: dict[str, Any], fmt: str = "table") -> str:
         rows.append(row)
     title = (
         f"median optimizer step, {results.get('machine', results['device'])}, {results['threads']} CPU threads, "
-        f"{results['repeats']} "
-        f"interleaved repeats; device copy bandwidth {results['copy_bytes_per_second'] / 1e9:.0f} GB/s (read + write)\n"
+        f"{results['repeats']} interleaved repeats; device copy bandwidth {results['copy_bytes_per_second'] / 1e9:.0f} GB/s (read + write)\n"
     )
     return title + format_table(headers, rows, fmt)
 

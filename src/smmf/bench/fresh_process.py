@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 RESULT = "SMMF-CHILD-RESULT "
 STOP_GRACE_S = 3.0  # a stopped child's time to end on SIGTERM before it is killed
+_PARENT = "SMMF_PARENT_PID"  # the pid a child started with own_session checks in die_with_parent
 
 
 class Stopped(Exception):
@@ -97,9 +98,6 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(parent):  # the parent ended before the request was made
         os._exit(128 + int(signal.SIGTERM))
-
-
-_PARENT = "SMMF_PARENT_PID"
 
 
 def run_child(module: str, args: list[str], what: str, mmap_threshold: Optional[int] = None,
