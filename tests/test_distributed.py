@@ -204,15 +204,6 @@ def test_complex_dtensor_params_are_rejected() -> None:
     SMMF([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))])  # unsharded complex: taken
 
 
-def test_deepspeed_partitioned_params_are_rejected() -> None:
-    from smmf import SMMF
-
-    p = torch.nn.Parameter(torch.zeros(0))
-    p.ds_id, p.ds_numel = 3, 1000  # what ZeRO-3 attaches to its partitioned params
-    with pytest.raises(RuntimeError, match="DeepSpeed ZeRO partitioned"):
-        SMMF([p])
-
-
 # (kind, ranks, accumulation_steps, SMMF options): both wrappers at 2 and 3 ranks, k = 1 and 2, the
 # flag and the natural shape among them.
 IN_BACKWARD = [

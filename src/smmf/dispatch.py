@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from .kernels import FUSED, StepItem, fused_backend, load_backend
 from .sharding import is_dtensor, shard_info
 from .state import MomentumCode
 
-__all__ = ["Kernel", "step_kernel"]
+__all__ = ["Kernel", "shard_backend", "step_kernel"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,20 @@ def _choose(backend: str, param: Tensor, code: MomentumCode, sharded: bool) -> K
         f"backend {backend!r} cannot update a {param.dtype} parameter on {param.device}; "
         "use backend='auto' to fall back to the torch path"
     )
+
+
+def shard_backend(backend: str, piece: Tensor, code: MomentumCode) -> Optional[Any]:
+    """The fused backend whose shard passes step ``piece``, a plain tensor holding a piece of a param cut between
+    ranks (a DeepSpeed ZeRO partition's), under ``backend``; None for the torch path (``torch``, and ``auto``
+    where no fused backend covers it). The levels code's pieces, which may cut its blocks, take a backend that
+    implements :class:`smmf.kernels.contract.LevelsPieces` (numba's), else the torch path. A named fused backend
+    that cannot take the piece raises ``RuntimeError``."""
+    if backend == "torch" or code is MomentumCode.DENSE:
+        return None
+    fused = fused_backend(backend, piece, code, sharded=True)
+    if code is MomentumCode.LEVELS:
+        return fused if hasattr(fused, "levels_piece_pass_") else None
+    if fused is None and backend != "auto":
+        raise RuntimeError(f"backend {backend!r} cannot update a piece of a {piece.dtype} parameter on "
+                           f"{piece.device} (momentum code {code.value}); use backend='auto' or 'torch'")
+    return fused

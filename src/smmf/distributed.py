@@ -19,85 +19,21 @@ whole tensors). Placement and checkpoint layout: :mod:`smmf.sharding`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .functional import (
-    Nonfinite,
-    StepConfig,
-    decompress_momentum,
-    factor_sums,
-    _whole_matrix_update,
-    flag_levels,
-    levels_update_,
-    magnitude_flag_fit,
-    store_factors_,
-    torch_step_,
-)
-from .kernels.contract import Backend, FlagPass, StepItem
-from .matrix import pack_signs, unpack_signs
+from .functional import Nonfinite, StepConfig, _whole_matrix_update, torch_step_
+from .kernels.contract import Backend, StepItem
 from .sharding import ShardInfo, local, shard_info
-from .state import COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SIGN_M, MomentumCode, matrix_shape
+from .shards import Band, Reducer, Rounds, add_counts, band_update, fused_shard_rounds, run_rounds
+from .state import ROW_V, MomentumCode, matrix_shape
 
-__all__ = ["Band", "fused_sharded_steps_", "sharded_step_"]
-
-# Sums partial row/column sums across the ranks that share a matrix.
-Reducer = Callable[[list[Tensor]], list[Tensor]]
-
-
-@dataclass(frozen=True)
-class Band:
-    """The part of the n×m matrix that a tensor holds: rows ``[row0, row1)``, of whose row-major
-    flattening the tensor owns ``numel`` elements from ``first`` on (a shard's first and last rows
-    may be partial)."""
-
-    rows: int
-    cols: int
-    row0: int
-    row1: int
-    first: int
-    numel: int
-
-    @classmethod
-    def of_range(cls, rows: int, cols: int, start: int, numel: int) -> "Band":
-        row0 = start // cols if cols else 0
-        row1 = -(-(start + numel) // cols) if numel else row0
-        return cls(rows, cols, row0, row1, start - row0 * cols, numel)
-
-    @property
-    def start(self) -> int:
-        """The first owned element in the row-major flattening."""
-        return self.row0 * self.cols + self.first
-
-    def in_view(self, rows: int, cols: int) -> "Band":
-        """The same elements in another rows × cols view of the tensor."""
-        return Band.of_range(rows, cols, self.start, self.numel)
-
-    @property
-    def padded(self) -> bool:
-        return self.first != 0 or self.numel != (self.row1 - self.row0) * self.cols
-
-    def to_matrix(self, flat: Tensor) -> Tensor:
-        if not self.padded:
-            return flat.view(self.row1 - self.row0, self.cols)
-        out = flat.new_zeros(self.row1 - self.row0, self.cols)
-        out.view(-1)[self.first : self.first + self.numel] = flat
-        return out
-
-    def owned(self, matrix: Tensor) -> Tensor:
-        """The owned elements of a band matrix, flat."""
-        return matrix.reshape(-1)[self.first : self.first + self.numel]
-
-    def zero_padding_(self, matrix: Tensor) -> None:
-        if self.padded:
-            flat = matrix.view(-1)
-            flat[: self.first] = 0
-            flat[self.first + self.numel :] = 0
+__all__ = ["fused_sharded_steps_", "sharded_step_"]
 
 
 def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> Nonfinite:
@@ -183,7 +119,7 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
         own = vector.info.start
         vector.item[0].copy_(whole_weight[own : own + vector.info.numel])
     found += _shard_steps(backend, shards)
-    return _total(found)
+    return add_counts(found)
 
 
 class _Vector(NamedTuple):
@@ -226,11 +162,6 @@ def _all_reduce_on(group: Any) -> Reducer:
     return all_reduce
 
 
-def _total(found: Sequence[Nonfinite]) -> Nonfinite:
-    counted = [n for n in found if n is not None]
-    return sum(counted[1:], counted[0]) if counted else None
-
-
 @dataclass
 class _Shard:
     """One parameter's shard in a step of many: its local tensors, and how its sums are added up
@@ -243,134 +174,37 @@ class _Shard:
     start: int
     key: Hashable
     reduce: Reducer
-    work: Tensor = field(init=False)
-    flag: Optional[FlagPass] = None
 
-    def __post_init__(self) -> None:
-        self.work = self.weight if self.weight.is_contiguous() else self.weight.contiguous()
-
-    def write_back(self) -> None:
-        if self.work is not self.weight:
-            self.weight.copy_(self.work)
-
-
-def _reduce_together(rounds: Sequence[tuple[_Shard, list[Tensor]]]) -> list[list[Tensor]]:
-    """Each shard's tensors summed across ranks, one call of the reducer per key for all of them (the
-    same calls in the same order on every rank: the params come in the same order everywhere)."""
-    by_key: dict[Hashable, list[int]] = {}
-    for i, (shard, _) in enumerate(rounds):
-        by_key.setdefault(shard.key, []).append(i)
-    out: list[list[Tensor]] = [[] for _ in rounds]
-    for indices in by_key.values():
-        summed = rounds[indices[0]][0].reduce([t for i in indices for t in rounds[i][1]])
-        at = 0
-        for i in indices:
-            out[i], at = summed[at : at + len(rounds[i][1])], at + len(rounds[i][1])
-    return out
+    def rounds(self, backend: Backend) -> Rounds:
+        return fused_shard_rounds(backend, self.weight, self.grad, self.state, self.cfg, self.start)
 
 
 def _shard_steps(backend: Backend, shards: Sequence[_Shard]) -> list[Nonfinite]:
-    """The fused passes over the shards, and the all-reduces of their sums, shared by all of them.
+    """The fused passes over the shards (:func:`smmf.shards.fused_shard_rounds`), each round's sums of all of
+    them added up in one call of the reducer per key: one all-reduce per process group and dtype for each
+    round (the magnitude flag's two rounds: two; the second only for its shards). The same calls in the same
+    order on every rank: the params come in the same order everywhere."""
 
-    Without the flag, a shard's one pass leaves its raw factor sums in the factor vectors: added up
-    across ranks, they are normalized as on one device. Under the magnitude flag
-    (:meth:`smmf.kernels.Backend.flag_shard_pass_`), the first pass's |M| sums make the new factors,
-    which the second pass encodes against; the second's level sums make the levels; V's sums come
-    from the pass that steps the weights (:meth:`smmf.kernels.Backend.updating_flag_pass`). So the
-    first all-reduce takes every shard's sums, the second only the flagged shards'."""
-    found: list[Nonfinite] = []
-    first: list[tuple[_Shard, list[Tensor]]] = []
-    for shard in shards:
-        state, cfg = shard.state, shard.cfg
-        if cfg.code is MomentumCode.FLAG:
-            shard.flag = FlagPass(0, torch.empty_like(state[ROW_M]), torch.empty_like(state[COL_M]),
-                                  state[ROW_M].new_empty(4))
-            found.append(backend.flag_shard_pass_(shard.work, shard.grad, state, cfg, shard.start, shard.flag))
-            v_first = backend.updating_flag_pass(cfg) == 0
-            first.append((shard, [shard.flag.new_row_m, shard.flag.new_col_m]
-                          + ([state[ROW_V], state[COL_V]] if v_first else [])))
-        else:
-            found.append(backend.shard_step_(shard.work, shard.grad, state, cfg, shard.start))
-            shard.write_back()
-            keys = [ROW_V, COL_V] + ([ROW_M, COL_M] if cfg.code is MomentumCode.SIGN else [])
-            first.append((shard, [state[key] for key in keys]))
-    second: list[tuple[_Shard, list[Tensor]]] = []
-    for (shard, _), sums in zip(first, _reduce_together(first)):
-        state, flag = shard.state, shard.flag
-        if flag is None:
-            for row_key, col_key, row_sums, col_sums in zip((ROW_V, ROW_M), (COL_V, COL_M), sums[::2], sums[1::2]):
-                store_factors_(state, row_key, col_key, row_sums, col_sums)
-            continue
-        store_factors_({ROW_M: flag.new_row_m, COL_M: flag.new_col_m}, ROW_M, COL_M, sums[0], sums[1])
-        if len(sums) > 2:  # V's sums came from the first pass
-            store_factors_(state, ROW_V, COL_V, sums[2], sums[3])
-        shard.flag = flag._replace(number=1)
-        found.append(backend.flag_shard_pass_(shard.work, shard.grad, state, shard.cfg, shard.start, shard.flag))
-        shard.write_back()
-        second.append((shard, [flag.level_sums] + ([] if len(sums) > 2 else [state[ROW_V], state[COL_V]])))
-    for (shard, _), sums in zip(second, _reduce_together(second)):
-        state, flag = shard.state, shard.flag
-        assert flag is not None
-        if len(sums) > 1:  # V's sums came from the second pass
-            store_factors_(state, ROW_V, COL_V, sums[1], sums[2])
-        state[ROW_M].copy_(flag.new_row_m)
-        state[COL_M].copy_(flag.new_col_m)
-        state[LEVELS_M].copy_(flag_levels(sums[0]))
-    return found
+    def add_up(_: int, yielded: list[Optional[list[Tensor]]]) -> list[Optional[list[Tensor]]]:
+        by_key: dict[Hashable, list[int]] = {}
+        for i, sums in enumerate(yielded):
+            if sums is not None:
+                by_key.setdefault(shards[i].key, []).append(i)
+        out: list[Optional[list[Tensor]]] = [None] * len(yielded)
+        for indices in by_key.values():
+            summed = shards[indices[0]].reduce([t for i in indices for t in yielded[i] or ()])
+            at = 0
+            for i in indices:
+                count = len(yielded[i] or ())
+                out[i], at = summed[at : at + count], at + count
+        return out
+
+    count = 2 if any(shard.cfg.code is MomentumCode.FLAG for shard in shards) else 1
+    return run_rounds([shard.rounds(backend) for shard in shards], count if shards else 0, add_up)
 
 
 def _fused_flag_shard_step_(backend: Backend, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
                             start: int, reduce: Reducer) -> Nonfinite:
     """One shard under the magnitude flag, its sums added up by ``reduce`` (tests stand threads in
     for ranks)."""
-    return _total(_shard_steps(backend, [_Shard(weight, grad, state, cfg, start, "shard", reduce)]))
-
-
-def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Reducer) -> Tensor:
-    """:func:`smmf.functional._factored_update` on a band: the owned elements' direction, flat.
-
-    ``band`` is in V's (square) view; M has its own band, the same elements in M's view (its rows are
-    dim 0 under ``momentum_shape="natural"``, so a ``Shard(0)`` shard holds whole rows of it)."""
-    g = band.to_matrix(g_flat)
-    v = torch.outer(state[ROW_V][band.row0 : band.row1], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
-    band.zero_padding_(v)
-    moments = [(ROW_V, COL_V, v, band)]
-    m = m_band = magnitude = None
-    if cfg.code is MomentumCode.LEVELS:  # by rows of the param: this shard's rows are whole rows, its own
-        m = levels_update_(g_flat, state, cfg, band.start)
-    elif cfg.beta1 is not None:
-        m_band = band.in_view(state[ROW_M].numel(), state[COL_M].numel())
-        m = decompress_momentum(state, cfg, state[ROW_M][m_band.row0 : m_band.row1],
-                                lambda bits: m_band.to_matrix(unpack_signs(bits, m_band.numel)))
-        m.mul_(cfg.beta1).add_(m_band.to_matrix(g_flat), alpha=1.0 - cfg.beta1)
-        m_band.zero_padding_(m)
-        _store_bits_(state[SIGN_M], m_band.owned(m) >= 0)
-        magnitude = m.abs()
-        moments.append((ROW_M, COL_M, magnitude, m_band))
-    sums: list[Tensor] = []
-    for _, _, matrix, where in moments:
-        row_sums, col_sums = factor_sums(matrix, numel=where.rows * where.cols)
-        full_rows = matrix.new_zeros(where.rows)
-        full_rows[where.row0 : where.row1] = row_sums  # other ranks' rows stay 0 until reduced
-        sums += [full_rows, col_sums]
-    sums = reduce(sums)
-    for (row_key, col_key, _, _), row_sums, col_sums in zip(moments, sums[::2], sums[1::2]):
-        store_factors_(state, row_key, col_key, row_sums, col_sums)
-    denom = band.owned(v.sqrt_().add_(cfg.eps))
-    if cfg.code is MomentumCode.LEVELS:
-        assert m is not None
-        return m / denom
-    if m is None or m_band is None or magnitude is None:
-        return band.owned(g) / denom
-    if cfg.code is MomentumCode.FLAG:  # the flag needs the new factors: its level sums take a second all-reduce
-        estimate = torch.outer(state[ROW_M][m_band.row0 : m_band.row1], state[COL_M])
-        above, level_sums = magnitude_flag_fit(m_band.owned(magnitude), m_band.owned(estimate), band.rows * band.cols)
-        _store_bits_(state[FLAG_M], above)
-        state[LEVELS_M].copy_(flag_levels(reduce([level_sums])[0]))
-    return m_band.owned(m) / denom
-
-
-def _store_bits_(packed: Tensor, bits: Tensor) -> None:
-    """This rank's bits, packed, at the start of its (padded) byte range."""
-    values = pack_signs(bits)
-    packed[: values.numel()].copy_(values)
+    return add_counts(_shard_steps(backend, [_Shard(weight, grad, state, cfg, start, "shard", reduce)]))

@@ -13,7 +13,8 @@ a rounding apart in the next level now and then.
 Why this code (``docs/momentum-diagnosis.md``): sign × rank-1 gives small coordinates of M their row's
 and column's average, several times too large; a per-block scale with a few levels keeps each element's
 own magnitude to within 1/14 of its block's largest. Blocks run along rows so that an FSDP2 shard (whole
-rows) holds whole blocks.
+rows) holds whole blocks; a piece of a DeepSpeed ZeRO partition may cut them, and takes its blocks' largest
+|M| from the ranks that hold the rest (``encode_piece_levels``, :func:`smmf.shards.levels_piece_rounds`).
 
 Stochastic rounding (``momentum_rounding="stochastic"``, opt-in): ``j = floor(|M| · (7 / scale) + u)`` with
 ``u`` uniform in [0, 1) instead of ½, so the decoded |M| is unbiased: an element below half a level is kept
@@ -31,13 +32,14 @@ decodes finite: NaN codes as 0, and a scale is at most bf16's largest finite val
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 __all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "SEVENTH", "levels_shape", "levels_rows_cols", "codes_shape", "scales_shape", "encode_levels",
-           "decode_levels", "step_salt", "rounding_key", "counter_hash", "dither", "DITHER_MULTIPLIERS", "DITHER_BITS"]
+           "decode_levels", "step_salt", "rounding_key", "counter_hash", "dither", "DITHER_MULTIPLIERS", "DITHER_BITS", "PieceBlocks", "block_span", "piece_blocks", "piece_codes_shape",
+           "piece_block_maxima", "encode_piece_levels", "decode_piece_levels"]
 
 BLOCK = 128  # elements of a row that share a scale
 TOP_LEVEL = 7  # levels j = 0 .. 7: magnitudes j/7 of the block's scale (3 bits)
@@ -159,4 +161,73 @@ def decode_levels(codes: Tensor, scales: Tensor, cols: int, dtype: torch.dtype) 
     rows = codes.shape[0]
     code = torch.stack([codes & 15, codes >> 4], dim=2).view(rows, -1)[:, :cols]
     magnitude = (code & TOP_LEVEL).to(dtype) * per_element(scales.to(dtype) * SEVENTH, cols)
+    return torch.where(code >= NEGATIVE, -magnitude, magnitude)
+
+
+# ---- pieces of a param that may cut its blocks (a DeepSpeed ZeRO partition's): codes from the piece's first
+# element, two per byte; the scales of the blocks it touches. Blocks are counted over the whole param, row by row
+# (``row · blocks per row + block in the row``), so a contiguous piece touches a contiguous run of them.
+
+
+class PieceBlocks(NamedTuple):
+    """The blocks a piece of a param touches: the first and last (counted over the whole param, row by row) and,
+    for each of the piece's elements, its block counted from the first."""
+
+    first: int
+    last: int
+    of_element: Tensor
+
+
+def block_span(shape: tuple[int, ...], numel: int, start: int, count: int) -> tuple[int, int]:
+    """The first and last block that elements ``start .. start + count`` (``count`` > 0) of a param of ``shape``
+    (``numel`` elements in its real view) touch, counted over the param row by row."""
+    _, cols = levels_shape(shape, numel)
+    per_row = -(-cols // BLOCK)
+
+    def block(i: int) -> int:
+        return (i // cols) * per_row + (i % cols) // BLOCK
+
+    return block(start), block(start + count - 1)
+
+
+def piece_blocks(shape: tuple[int, ...], numel: int, start: int, count: int, device: torch.device) -> PieceBlocks:
+    """:class:`PieceBlocks` of elements ``start .. start + count`` (``count`` > 0) of a param of ``shape``."""
+    _, cols = levels_shape(shape, numel)
+    first, last = block_span(shape, numel, start, count)
+    at = torch.arange(start, start + count, dtype=torch.int64, device=device)
+    index = (at // cols) * -(-cols // BLOCK) + (at % cols) // BLOCK - first
+    return PieceBlocks(first, last, index)
+
+
+def piece_codes_shape(count: int) -> tuple[int]:
+    return ((count + 1) // 2,)
+
+
+def piece_block_maxima(m: Tensor, blocks: PieceBlocks) -> Tensor:
+    """The largest |M| (NaN counted as 0, at most :data:`SCALE_MAX`) over the piece's elements of each block it
+    touches, in M's dtype: a block's scale where the piece holds all of it (:func:`block_scales`)."""
+    magnitude = m.abs().nan_to_num_(nan=0.0).clamp_(max=SCALE_MAX)
+    maxima = m.new_zeros(blocks.last - blocks.first + 1)
+    return maxima.scatter_reduce_(0, blocks.of_element, magnitude, "amax")
+
+
+def encode_piece_levels(m: Tensor, maxima: Tensor, blocks: PieceBlocks, salt: Optional[int] = None,
+                        first: int = 0) -> tuple[Tensor, Tensor]:
+    """:func:`encode_levels` of a piece's M (flat, its elements ``first ..`` of the param), given the largest
+    |M| of each block it touches over the whole param: ``(codes, scales)``, the codes two per byte from the
+    piece's first element. Each element rounds as :func:`encode_levels` rounds it in the whole param."""
+    scales = maxima.to(torch.float32).to(torch.bfloat16)
+    scale = scales.to(m.dtype)
+    positive = torch.where(scale > 0, scale, 1.0)
+    inverse = torch.where(scale > 0, torch.full_like(scale, TOP_LEVEL) / positive, 0.0)[blocks.of_element]
+    offset = 0.5 if salt is None else dither(salt, first, m.numel(), m.dtype, m.device)
+    level = (m.abs() * inverse + offset).nan_to_num_(nan=0.0).floor_().clamp_(max=TOP_LEVEL).to(torch.uint8)
+    code = torch.nn.functional.pad(level | (m < 0).to(torch.uint8) * NEGATIVE, (0, m.numel() % 2))
+    return code[0::2] | (code[1::2] << 4), scales
+
+
+def decode_piece_levels(codes: Tensor, scales: Tensor, blocks: PieceBlocks, dtype: torch.dtype) -> Tensor:
+    """M̂ of a piece (flat, in ``dtype``) from :func:`encode_piece_levels`' output."""
+    code = torch.stack([codes & 15, codes >> 4], dim=1).view(-1)[: blocks.of_element.numel()]
+    magnitude = (code & TOP_LEVEL).to(dtype) * (scales.to(dtype) * SEVENTH)[blocks.of_element]
     return torch.where(code >= NEGATIVE, -magnitude, magnitude)

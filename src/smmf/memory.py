@@ -62,9 +62,12 @@ def _round_up(nbytes: int, block: int) -> int:
 def state_bytes(optimizer: torch.optim.Optimizer, allocator_block: int = 1) -> int:
     """Bytes held by ``optimizer``'s state tensors (this rank's shards for DTensors)."""
     total = 0
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if key != "step" and isinstance(value, Tensor):
+    states = list(optimizer.state.values())
+    while states:
+        for key, value in states.pop().items():
+            if isinstance(value, dict):  # a DeepSpeed ZeRO buffer's: the state of each piece it holds
+                states.append(value)
+            elif key != "step" and isinstance(value, Tensor):
                 local = local_shard(value)  # DTensor: this rank's shard
                 total += _round_up(local.numel() * local.element_size(), allocator_block)
     return total

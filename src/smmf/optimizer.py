@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union, cast
 
@@ -15,6 +17,8 @@ from torch.optim import Optimizer
 
 from .dispatch import Kernel, step_kernel
 from .functional import StepConfig
+from .partitions import (PIECES, PLACES, Partition, check_loaded_pieces, check_pieces, init_pieces, piece_layout,
+                         step_partition_)
 from .kernels import check_backend
 from .levels import rounding_key, step_salt
 from .matrix import packed_sign_bytes
@@ -30,6 +34,7 @@ from .state import (
     STEP,
     MomentumCode,
     check_loaded_state,
+    check_loaded_values,
     check_state_fits,
     init_state,
     momentum_code,
@@ -208,12 +213,20 @@ def _mark_written(kernel: Kernel, written: list[tuple[Tensor, dict[str, Any]]]) 
     its state), as an in-place torch op would (the torch path's own in-place ops do it); one call
     for them all, as this runs for every param at every step."""
     if kernel.raw_writes:
-        tensors = [t for param, state in written for t in (param, *state.values()) if isinstance(t, Tensor)]
-        if _VERSION_BUMP_TAKES_MANY:
-            torch.autograd.graph.increment_version(tensors)
-        else:
-            for tensor in tensors:
-                torch.autograd.graph.increment_version(tensor)
+        _bump_versions([t for param, state in written for t in (param, *state.values()) if isinstance(t, Tensor)])
+
+
+def _mark_buffer_written(buffer: Tensor, held: dict[str, Any]) -> None:
+    """:func:`_mark_written` for a DeepSpeed ZeRO buffer (its pieces are views of it) and its pieces' state."""
+    _bump_versions([buffer] + [t for state in held[PIECES].values() for t in state.values() if isinstance(t, Tensor)])
+
+
+def _bump_versions(tensors: list[Tensor]) -> None:
+    if _VERSION_BUMP_TAKES_MANY:
+        torch.autograd.graph.increment_version(tensors)
+    else:
+        for tensor in tensors:
+            torch.autograd.graph.increment_version(tensor)
 
 
 def _version_bump_takes_many() -> bool:
@@ -231,16 +244,12 @@ _VERSION_BUMP_TAKES_MANY = _version_bump_takes_many()
 def _reject_flattened(param: Tensor) -> None:
     """SMMF's factorization depends on each tensor's true shape: a flattened buffer would be
     factorized as one meaningless matrix. FSDP1 marks the params it flattens (with or without
-    ``use_orig_params``); DeepSpeed ZeRO-3 marks its partitioned params."""
+    ``use_orig_params``). DeepSpeed ZeRO's buffers are mapped back to the model's params at the first
+    step (:mod:`smmf.zero`)."""
     if getattr(param, "_fsdp_flattened", False) or type(param).__name__ == "FlatParameter":
         raise RuntimeError(
             "SMMF got a parameter flattened by FSDP1 (FullyShardedDataParallel): its factorization needs "
             "each parameter's own shape. Use FSDP2 (torch.distributed.fsdp.fully_shard), which SMMF supports."
-        )
-    if hasattr(param, "ds_id") or hasattr(param, "ds_numel"):
-        raise RuntimeError(
-            "SMMF got a DeepSpeed ZeRO partitioned (flattened) parameter: its factorization needs each "
-            "parameter's own shape. Use DDP or FSDP2 (torch.distributed.fsdp.fully_shard) instead."
         )
     if is_dtensor(param) and param.is_complex():  # the shard steps count real elements; FSDP2 counts complex ones
         raise RuntimeError(
@@ -382,6 +391,10 @@ class SMMF(Optimizer):
         self._checked: dict[int, tuple] = {}  # see _check_options
         self._nonfinite = NonfiniteMonitor()
         self._step_in_backward: Optional[StepInBackward] = None
+        # The params given, by id, with their place over the groups as given: DeepSpeed ZeRO puts flat buffers
+        # of them in the groups (smmf.zero), whose pieces are mapped back to these.
+        self._given: dict[int, tuple[Tensor, int]] = {}
+        self._partitions: dict[int, tuple[weakref.ref[Tensor], Optional[Partition]]] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -397,6 +410,9 @@ class SMMF(Optimizer):
         except (ValueError, RuntimeError, TypeError):
             self.param_groups.pop()
             raise
+        given = sum(len(group["params"]) for group in self.param_groups[:-1])
+        for place, param in enumerate(params, given):
+            self._given[id(param)] = (param, place)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -412,6 +428,9 @@ class SMMF(Optimizer):
         self.__dict__.setdefault("_places", None)
         self.__dict__.setdefault("_checked", {})
         self.__dict__.setdefault("_step_in_backward", None)
+        self.__dict__.setdefault("_given", {id(p): (p, i) for i, p in enumerate(
+            p for group in self.param_groups for p in group["params"])})
+        self.__dict__.setdefault("_partitions", {})
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -464,12 +483,21 @@ class SMMF(Optimizer):
         for group in {id(group): group for group, _ in params}.values():
             self._check_options(group)
         work = []
+        # DeepSpeed ZeRO's flat buffers: (group, buffer, grad, partition, state before, state)
+        buffers: list[tuple[dict[str, Any], Tensor, Tensor, Partition, Optional[dict[str, Any]], dict[str, Any]]] = []
         seen: set[int] = set()  # a param a group holds twice is stepped once
         for (group, param), grad in zip(params, grads if grads is not None else [p.grad for _, p in params]):
             if grad is None or id(param) in seen:
                 continue
             seen.add(id(param))
             _check_grad(param, grad)
+            partition = self._partition_of(param)
+            if partition is not None:
+                held = self.state.get(param)
+                if held:
+                    check_pieces(partition, group, param, held, f"a DeepSpeed ZeRO buffer of {param.numel()} elements")
+                buffers.append((group, param, grad, partition, held, held if held else init_pieces(partition, group, param)))
+                continue
             ordinal = self._ordinal(param, group, places)
             before = self.state.get(param)
             code = momentum_code(param, group)
@@ -483,18 +511,14 @@ class SMMF(Optimizer):
         configs: dict[tuple[int, int, MomentumCode], StepConfig] = {}
         pending = []  # (param, its state before) of the steps not yet run: restored if one raises
         met = 0  # NaN/inf elements the host counts: warned once for the whole step, not for its first tensor
+        counts = {id(state): state[STEP] for *_, held in buffers for state in held[PIECES].values()}
         try:
             for group, param, ordinal, grad, before, state, code, kernel in work:
                 pending.append((param, before))
                 if state is not before:
                     self.state[param] = state
                 state[STEP] += 1
-                key = (id(group), state[STEP], code)
-                cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, state[STEP], code))
-                rounded = cfg.rounds_stochastically(param.dtype)
-                if cfg.levels_salt is not None or rounded:  # each param draws its own dither and rounding noise
-                    cfg = cfg.for_param(None if cfg.levels_salt is None else step_salt(state[STEP], ordinal),
-                                        rounding_key(state[STEP], ordinal) if rounded else None)
+                cfg = self._config(configs, group, state[STEP], code, ordinal, param.dtype)
                 if not kernel.batched:
                     nonfinite = kernel.steps_([(param, grad, state, cfg)])
                     pending.pop()
@@ -508,14 +532,55 @@ class SMMF(Optimizer):
                 done = {id(param) for param, *_ in items}
                 pending = [entry for entry in pending if id(entry[0]) not in done]
                 met += self._host_count(nonfinite)
+            for group, buffer, grad, partition, before, held in buffers:
+                pending.append((buffer, before))
+                if held is not before:
+                    self.state[buffer] = held
+                nonfinite = step_partition_(buffer, grad, partition, held, group, functools.partial(
+                    self._config, configs, group, dtype=buffer.dtype))
+                pending.pop()
+                _mark_buffer_written(buffer, held)
+                met += self._host_count(nonfinite)
             self._nonfinite.report(met)
         except BaseException:
             for param, before in pending:
-                if before:
+                if before and PIECES in before:  # a buffer: its pieces' counts, which its step advanced first
+                    for state in before[PIECES].values():
+                        state[STEP] = counts[id(state)]
+                elif before:
                     before[STEP] -= 1
                 else:
                     self.state.pop(param, None)
             raise
+
+    def _config(self, configs: dict[tuple[int, int, MomentumCode], StepConfig], group: dict[str, Any], step: int,
+                code: MomentumCode, ordinal: int, dtype: torch.dtype) -> StepConfig:
+        """The step's configuration of the ``ordinal``-th param (of ``dtype``) at ``step``: its group's, made once
+        per step count and code (``configs``), with the param's own dither and rounding noise where it draws them."""
+        key = (id(group), step, code)
+        cfg = configs.get(key) or configs.setdefault(key, self._step_config(group, step, code))
+        rounded = cfg.rounds_stochastically(dtype)
+        if cfg.levels_salt is not None or rounded:  # each param draws its own dither and rounding noise
+            cfg = cfg.for_param(None if cfg.levels_salt is None else step_salt(step, ordinal),
+                                rounding_key(step, ordinal) if rounded else None)
+        return cfg
+
+    def _partition_of(self, param: Tensor) -> Optional[Partition]:
+        """The pieces of the given params that ``param`` holds if it is a DeepSpeed ZeRO buffer in their place
+        (:mod:`smmf.zero`), else None; found at its first step (a collective over its ranks) and kept."""
+        given = self._given.get(id(param))
+        if given is not None and given[0] is param:
+            return None
+        known = self._partitions.get(id(param))
+        if known is not None and known[0]() is param:
+            return known[1]
+        from .zero import find_partition
+
+        partition = find_partition(param, [p for p, _ in self._given.values()],
+                                   {ident: place for ident, (_, place) in self._given.items()})
+        ident = id(param)
+        self._partitions[ident] = (weakref.ref(param, lambda _: self._partitions.pop(ident, None)), partition)
+        return partition
 
     def _host_count(self, nonfinite: Any) -> int:
         """A kernel's count of NaN/inf elements as a number to add up; a CUDA count goes to the monitor as it is."""
@@ -644,6 +709,11 @@ class SMMF(Optimizer):
                 state_dict = result
         state_dict = self._bits_in_memory_layout(state_dict)
         param_of = self._check_loadable(state_dict)
+        # DeepSpeed ZeRO buffers' states are restored below, not by torch's loader (which casts every tensor in
+        # them to the buffer's dtype).
+        buffers = {pid: saved for pid, saved in state_dict["state"].items() if self._partition_of(param_of[pid][0])}
+        state_dict = {**state_dict, "state": {pid: saved for pid, saved in state_dict["state"].items()
+                                              if pid not in buffers}}
         # How each shard's state is placed (init_state refuses an unsupported placement: before the load).
         made = {pid: init_state(param, options) for pid, (param, options) in param_of.items() if is_dtensor(param)}
         kept = [{key: group[key] for key in _OPTIONAL_KEYS} for group in self.param_groups]
@@ -669,6 +739,16 @@ class SMMF(Optimizer):
                 # Contiguous: the kernels index the 2-D state (the levels code's) as row-major.
                 state[key] = value.to(param.device, spec.dtype, copy=True, memory_format=torch.contiguous_format)
             state[STEP] = int(cast(Any, saved[STEP]))
+        for pid, saved in buffers.items():
+            buffer, options = param_of[pid]
+            partition = self._partition_of(buffer)
+            assert partition is not None
+            self.state[buffer] = {
+                PIECES: {piece.ordinal: {**{key: saved[PIECES][piece.ordinal][key].to(
+                    buffer.device, spec.dtype, copy=True, memory_format=torch.contiguous_format)
+                    for key, spec in piece_layout(piece, options, buffer.dtype).items()},
+                    STEP: int(cast(Any, saved[PIECES][piece.ordinal][STEP]))} for piece in partition.pieces},
+                PLACES: {piece.ordinal: piece.place for piece in partition.pieces}}
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -711,7 +791,10 @@ class SMMF(Optimizer):
             _validate_group(options)
             for param, pid in zip(group["params"], saved["params"]):
                 param_of[pid] = (param, options)
-                if pid in saved_state:
+                partition = self._partition_of(param)
+                if partition is not None and pid in saved_state:
+                    check_loaded_pieces(partition, options, param, saved_state[pid], f"parameter {pid}")
+                elif pid in saved_state:
                     check_loaded_state(param, options, saved_state[pid], f"parameter {pid}")
         unknown = sorted(set(saved_state) - set(param_of), key=str)
         if unknown:

@@ -336,21 +336,21 @@ def check_loaded_state(
 ) -> None:
     """Raise ``ValueError`` unless ``state`` has exactly the keys, shapes and dtypes ``param`` needs, values a
     step can leave (:func:`_refuse_impossible_values`) and a finite, non-negative, whole ``step``."""
-    layout = state_layout(param, group)
+    check_loaded_values(state_layout(param, group), state, where, f"a parameter of shape {tuple(param.shape)}")
+
+
+def check_loaded_values(layout: Mapping[str, TensorSpec], state: Mapping[str, Any], where: str, what: str) -> None:
+    """:func:`check_loaded_state` against a ``layout`` (``what``: whose, for the messages)."""
     expected = set(layout) | {STEP}
-    if set(state) != expected:
-        raise ValueError(
-            f"{where}: state keys {sorted(state)} do not fit a parameter of shape "
-            f"{tuple(param.shape)} with these options; expected {sorted(expected)}"
-        )
+    if not isinstance(state, Mapping) or set(state) != expected:
+        keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"{where}: state keys {keys} do not fit {what} with these options; expected "
+                         f"{sorted(expected)}")
     for key, spec in layout.items():
         value = state[key]
         if not isinstance(value, Tensor) or tuple(value.shape) != spec.shape:
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(
-                f"{where}: state '{key}' has shape {got} but a parameter of shape "
-                f"{tuple(param.shape)} needs {spec.shape}"
-            )
+            raise ValueError(f"{where}: state '{key}' has shape {got} but {what} needs {spec.shape}")
         if spec.dtype == torch.uint8 and value.dtype != torch.uint8:
             raise ValueError(f"{where}: state '{key}' holds packed bits and must be uint8, not {value.dtype}")
         if spec.dtype != torch.uint8 and not value.is_floating_point():

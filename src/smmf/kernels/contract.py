@@ -19,7 +19,7 @@ from torch import Tensor
 from ..functional import Nonfinite, StepConfig
 from ..state import MomentumCode, real_view
 
-__all__ = ["Backend", "Coverage", "FlagPass", "StepItem"]
+__all__ = ["Backend", "Coverage", "FlagPass", "LevelsEnds", "LevelsPieces", "StepItem"]
 
 # One tensor's step: (param, grad, state, cfg); ``state['step']`` already advanced.
 StepItem = tuple[Tensor, Tensor, dict[str, Any], StepConfig]
@@ -86,3 +86,27 @@ class Backend(Protocol):
 
     def updating_flag_pass(self, cfg: StepConfig) -> int:
         """Which of the flag's two shard passes steps the weights (and reports the NaN/inf count)."""
+
+
+class LevelsEnds(NamedTuple):
+    """A piece's first and last blocks under the levels code, between the ranks' sum and their codes: their M
+    (2 × 128, the first and last block's elements from 0) and largest |M| (2) over the piece's elements."""
+
+    m: Tensor
+    tops: Tensor
+
+
+class LevelsPieces(Protocol):
+    """A backend that steps pieces of a param that may cut the levels code's blocks (a DeepSpeed ZeRO partition's;
+    ``magnitude_bits=3``) in two calls around the ranks' sum (:func:`smmf.shards.levels_piece_rounds`)."""
+
+    def levels_piece_pass_(self, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
+                           shape: tuple[int, ...], start: int) -> tuple[Nonfinite, LevelsEnds]:
+        """The step of the piece ``weight`` (contiguous: elements ``start ..`` of a param of ``shape``; ``state``: its
+        codes two per byte from its first element, the scales of the blocks it touches, V's whole factors): the
+        weights stepped, V's raw row and column sums left in its factor vectors, every block coded but the
+        first and last, which are returned."""
+
+    def levels_piece_ends_(self, state: dict[str, Any], cfg: StepConfig, shape: tuple[int, ...], start: int,
+                           numel: int, ends: LevelsEnds, tops: Tensor) -> None:
+        """The first and last blocks' codes and scales, ``tops`` their largest |M| over every rank."""

@@ -24,7 +24,8 @@ from torch import Tensor
 from ...functional import StepConfig
 from ...state import COL_V, ROW_V, MomentumCode
 from ..contract import FlagPass
-from .host import follow_torch_threads, launch, launch_levels, steps_, updating_flag_pass
+from .host import (follow_torch_threads, launch, launch_levels, levels_piece_ends, levels_piece_pass, steps_,
+                   updating_flag_pass)
 
 __all__ = ["BACKEND", "numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_",
            "updating_flag_pass"]
@@ -58,13 +59,16 @@ def numba_flag_shard_pass_(weight: Tensor, grad: Tensor, state: dict[str, Any], 
 
 
 class _Numba:
-    """The numba backend (:class:`smmf.kernels.Backend`)."""
+    """The numba backend (:class:`smmf.kernels.Backend`, and :class:`smmf.kernels.contract.LevelsPieces`)."""
 
     name = "numba"
     steps_ = staticmethod(numba_steps_)
     shard_step_ = staticmethod(numba_shard_step_)
     flag_shard_pass_ = staticmethod(numba_flag_shard_pass_)
     updating_flag_pass = staticmethod(updating_flag_pass)
+
+    levels_piece_pass_ = staticmethod(levels_piece_pass)  # serial: a piece is one rank's
+    levels_piece_ends_ = staticmethod(levels_piece_ends)
 
 
 BACKEND = _Numba()

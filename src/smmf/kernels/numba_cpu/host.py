@@ -15,13 +15,13 @@ from torch import Tensor
 
 from ...functional import StepConfig
 from ...matrix import factor_sum_cap, square_matricize_shape
-from ...levels import levels_rows_cols
+from ...levels import BLOCK, levels_rows_cols, levels_shape
 from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
                       momentum_cols, real_view)
-from ..contract import FlagPass, StepItem
-from .levels import LEVELS_KERNELS, level_table, touched_v_rows
+from ..contract import FlagPass, LevelsEnds, StepItem
+from .levels import LEVELS_KERNELS, level_table, levels_piece_ends_kernel, levels_piece_kernel, touched_v_rows
 from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_blocks_kernel, many_kernel
-from .structs import FlagArrays, FlagPasses, Geometry, LevelsGeometry, Moments, Options, Scalars, Scratch
+from .structs import FlagArrays, FlagPasses, Geometry, LevelsGeometry, Moments, Options, PieceGeometry, Scalars, Scratch
 
 # numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
 # process when two threads enter parallel regions at once: parallel launches take turns. Each
@@ -204,6 +204,42 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     else:
         LEVELS_KERNELS[False](*args)
     return sum(bad_counts.tolist()) if cfg.zero_nonfinite else 0
+
+
+def _piece_geometry(state: dict[str, Any], cfg: StepConfig, shape: tuple[int, ...], start: int,
+                    numel: int) -> PieceGeometry:
+    _, cols = levels_shape(shape, math.prod(shape))
+    return PieceGeometry(n=state[ROW_V].numel(), m=state[COL_V].numel(), cols=cols, lo=start, hi=start + numel,
+                         dither=cfg.levels_salt is not None, salt=cfg.levels_salt or 0)
+
+
+def levels_piece_pass(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, shape: tuple[int, ...],
+                      start: int) -> tuple[int, LevelsEnds]:
+    """The levels code's step of a piece (``weight`` contiguous: elements ``start ..`` of a param of ``shape``)
+    that may cut its blocks (:meth:`smmf.kernels.contract.LevelsPieces.levels_piece_pass_`)."""
+    grad = grad.to(weight.dtype).contiguous()
+    geo = _piece_geometry(state, cfg, shape, start, weight.numel())
+    dtype = state[ROW_V].dtype
+    scalar = _work_scalar(dtype)
+    ends = LevelsEnds(torch.zeros(2, BLOCK, dtype=dtype), torch.zeros(2, dtype=dtype))
+    bad = np.zeros(1, dtype=np.int64)
+    opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=False,
+                   sr_seed=cfg.rounding_key_for(weight.dtype) or 0)
+    v_rows = (geo.hi - 1) // geo.m - geo.lo // geo.m + 1
+    levels_piece_kernel(_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(),
+                        state[SCALES_M].view(torch.int16).numpy(), level_table(scalar), state[ROW_V].numpy(),
+                        state[COL_V].numpy(), np.empty(geo.m, dtype=scalar), np.empty(v_rows, dtype=scalar),
+                        ends.m.numpy(), ends.tops.numpy(), bad, geo, opts, scalars(cfg, geo.n * geo.m, dtype))
+    return (int(bad[0]) if cfg.zero_nonfinite else 0), ends
+
+
+def levels_piece_ends(state: dict[str, Any], cfg: StepConfig, shape: tuple[int, ...], start: int, numel: int,
+                      ends: LevelsEnds, tops: Tensor) -> None:
+    """The codes of a piece's first and last blocks (:meth:`smmf.kernels.contract.LevelsPieces.levels_piece_ends_`)."""
+    geo = _piece_geometry(state, cfg, shape, start, numel)
+    levels_piece_ends_kernel(state[CODES_M].numpy(), state[SCALES_M].view(torch.int16).numpy(),
+                             level_table(_work_scalar(state[ROW_V].dtype)), ends.m.numpy(),
+                             tops.to(state[ROW_V].dtype).contiguous().numpy(), geo)
 
 
 def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:

@@ -265,3 +265,124 @@ def _levels_kernel_serial(w, g, codes, scales, table, row_v, col_v, col_acc_v, r
 
 
 LEVELS_KERNELS = {True: _levels_kernel_parallel, False: _levels_kernel_serial}
+
+
+# ---- a piece of a param that may start and end inside blocks (a DeepSpeed ZeRO partition's): codes two per byte
+# from the piece's first element, the scales of the blocks it touches. Its first and last blocks' scales are the
+# largest |M| over every rank that holds a part of them, so their codes wait for the ranks' sums.
+
+
+@numba.njit(inline="always")
+def unpack_nibbles(codes, k, width, signed_levels, one):
+    """:func:`unpack_codes` of the piece's elements ``k .. k + width`` (code of element k in nibble k)."""
+    for j in range(width):
+        q = k + j
+        code = (codes[q >> 1] >> np.uint8(4 * (q & 1))) & np.uint8(15)
+        level = (code & np.uint8(TOP_LEVEL)) * one
+        signed_levels[j] = -level if code >= NEGATIVE else level
+
+
+@numba.njit(inline="always")
+def pack_nibbles(codes, k, width, cbuf):
+    """Inverse of :func:`unpack_nibbles`; the other nibble of a byte shared with a neighbour is kept."""
+    for j in range(width):
+        q = k + j
+        shift = np.uint8(4 * (q & 1))
+        codes[q >> 1] = np.uint8((codes[q >> 1] & ~(np.uint8(15) << shift)) | (cbuf[j] << shift))
+
+
+@numba.njit(inline="always")
+def piece_span(geo):
+    """Blocks per row of M, and the first and last block (counted over the param, row by row) of the piece."""
+    per_row = (geo.cols + BLOCK - 1) // BLOCK
+    first = (geo.lo // geo.cols) * per_row + (geo.lo % geo.cols) // BLOCK
+    return per_row, first, ((geo.hi - 1) // geo.cols) * per_row + ((geo.hi - 1) % geo.cols) // BLOCK
+
+
+@numba.njit(inline="always")
+def piece_block(b, per_row, geo):
+    """Block ``b`` (counted over the param, row by row) clipped to the piece: its first element (in the param) and
+    width."""
+    r = b // per_row
+    c0 = (b - r * per_row) * BLOCK
+    start = max(r * geo.cols + c0, geo.lo)
+    return start, min(r * geo.cols + min(c0 + BLOCK, geo.cols), geo.hi) - start
+
+
+@numba.njit(inline="always", **_PASS)
+def _levels_piece_step(w, g, codes, scales, table, row_v, col_v, acc_v, vsums, ends_m, ends_top, bad_counts, geo,
+                       opts, sc):
+    """One step of a piece (elements ``geo.lo .. geo.hi`` of the param) under the levels code, serial: every block
+    it touches as :func:`_levels_step` steps it (the same element math), except that the first and last blocks'
+    M and largest |M| go to ``ends_m`` (2 × BLOCK) and ``ends_top`` (2) for :func:`_levels_piece_ends` to code once
+    ranks have added their maxima. V's factor vectors are left with the piece's raw row and column sums (``vsums``:
+    the V rows it touches, from ``lo // m``; ``acc_v``: m). ``codes``: the piece's, element ``lo + k`` in nibble
+    k; ``scales``: the int16 bits of the scales of the blocks it touches, from its first."""
+    one = table[_SEVENTH] / table[_SEVENTH]
+    per_row, first, last = piece_span(geo)
+    acc_v[:] = 0
+    vsums[:] = 0
+    v_row0 = geo.lo // geo.m
+    mbuf = np.empty(BLOCK, dtype=col_v.dtype)
+    wbuf = np.empty(BLOCK, dtype=np.uint32)
+    gbuf = np.empty(BLOCK, dtype=np.uint32)
+    cbuf = np.empty(BLOCK + 1, dtype=np.uint8)
+    lbuf = np.empty(BLOCK + 1, dtype=col_v.dtype)
+    bad = 0
+    for b in range(first, last + 1):
+        start, width = piece_block(b, per_row, geo)
+        k = start - geo.lo
+        wseg = load(w, k, width, wbuf)
+        gseg = load(g, k, width, gbuf)
+        unpack_nibbles(codes, k, width, lbuf, one)
+        top, all_finite = _block_step(wseg, gseg, lbuf, scale_value(scales[b - first], one), table, col_v, row_v,
+                                      acc_v, vsums, v_row0, start, mbuf[:width], sc, opts.zero_bad)
+        if not all_finite:
+            bad += count_bad(gseg, sc.big)
+        if b == first or b == last:
+            for end in range(2):
+                if b == (first, last)[end]:
+                    for j in range(width):
+                        ends_m[end, j] = mbuf[j]
+                    ends_top[end] = top
+        else:
+            stored = scale_bits(top)
+            scales[b - first] = stored
+            _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width], start, geo)
+            pack_nibbles(codes, k, width, cbuf)
+        store(w, k, wseg, opts.sr, opts.sr_seed + start)
+    bad_counts[0] = bad
+    row_v[:] = 0
+    for k in range(vsums.shape[0]):
+        row_v[v_row0 + k] = vsums[k]
+    for j in range(col_v.shape[0]):
+        col_v[j] = acc_v[j]
+
+
+@numba.njit(inline="always", **_PASS)
+def _levels_piece_ends(codes, scales, table, ends_m, tops, geo):
+    """The codes and scales of the piece's first and last blocks, their scales from ``tops``: each block's
+    largest |M| over every rank that holds a part of it."""
+    one = table[_SEVENTH] / table[_SEVENTH]
+    per_row, first, last = piece_span(geo)
+    cbuf = np.empty(BLOCK + 1, dtype=np.uint8)
+    for end in range(2 if last > first else 1):
+        b = (first, last)[end]
+        start, width = piece_block(b, per_row, geo)
+        stored = scale_bits(tops[end])
+        scales[b - first] = stored
+        _codes_of(cbuf[:width], scale_value(stored, one), table, ends_m[end, :width], start, geo)
+        pack_nibbles(codes, start - geo.lo, width, cbuf)
+
+
+# Arrays, then PieceGeometry, Options, Scalars; the ends' arrays, then PieceGeometry.
+@cached_njit(**KERNEL_OPTIONS)
+def levels_piece_kernel(w, g, codes, scales, table, row_v, col_v, acc_v, vsums, ends_m, ends_top, bad_counts, geo,
+                        opts, sc):
+    _levels_piece_step(w, g, codes, scales, table, row_v, col_v, acc_v, vsums, ends_m, ends_top, bad_counts, geo,
+                       opts, sc)
+
+
+@cached_njit(**KERNEL_OPTIONS)
+def levels_piece_ends_kernel(codes, scales, table, ends_m, tops, geo):
+    _levels_piece_ends(codes, scales, table, ends_m, tops, geo)

@@ -60,6 +60,20 @@ class LevelsGeometry(NamedTuple):
     salt: int  # the dither's salt at this step
 
 
+class PieceGeometry(NamedTuple):
+    """The levels code's step of a piece of a param that may cut its blocks (a DeepSpeed ZeRO partition's): V's
+    n×m view, the ``cols`` of M's rows (rows of the param), the elements ``lo .. hi`` the arrays hold, and how
+    levels round."""
+
+    n: int
+    m: int
+    cols: int
+    lo: int
+    hi: int
+    dither: bool
+    salt: int
+
+
 class Options(NamedTuple):
     has_m: bool  # a first moment (beta is set)
     sr: bool  # stochastic rounding of bf16 weights

@@ -1,0 +1,153 @@
+"""DeepSpeed ZeRO's flat buffers: which pieces of the model's tensors each one holds.
+
+DeepSpeed's ZeRO optimizers (stages 1, 2 and 3, and its ``BF16_Optimizer``) step their client optimizer on flat
+fp32 buffers that they put in its param groups in place of the model's params. SMMF must not factorize such a
+buffer as one tensor: :func:`find_partition` reads from DeepSpeed where each of the optimizer's params lies in a
+buffer, so that each is stepped as on one device (:mod:`smmf.partitions`). DeepSpeed is never imported here; what
+is read is what it attaches to the model's params:
+
+- stages 1 and 2 (and ``BF16_Optimizer``): ``_dp_group``, the process group a param's group is partitioned
+  over (set on every param of a group, those outside this rank's buffer too), and ``_hp_mapping``, which tells
+  which buffer holds a fragment of the param; where each param lies is read from its ``.data``, a view of its
+  group's flat buffer of bit16 weights, which the ranks cut into equal parts (this rank's, in fp32, is the
+  buffer it steps);
+- stage 3: each param's ``_z3_optimizer``, whose sub-groups list their params and buffers; a param's part on
+  rank ``r`` of ``w`` is ``[r·p, (r + 1)·p)`` of its flattening, ``p = ⌈numel / w⌉``, laid end to end in the
+  buffer (DeepSpeed pads each part to ``p``).
+
+What SMMF does not cover is refused at the first step, before anything changes (:func:`refuse_unsupported`).
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any, Mapping, Optional, Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .partitions import Partition, Piece, exchange
+
+__all__ = ["find_partition", "is_deepspeed_buffer"]
+
+
+def is_deepspeed_buffer(tensor: Tensor, params: Sequence[Tensor]) -> bool:
+    """Whether ``tensor`` looks like a flat buffer of DeepSpeed's (ZeRO-3 names its buffers with ``ds_id``; the
+    params of a ZeRO-1/2 group carry ``_hp_mapping``)."""
+    if "deepspeed" not in sys.modules:
+        return False
+    return hasattr(tensor, "ds_id") or any(hasattr(p, "_hp_mapping") or hasattr(p, "_z3_optimizer") for p in params)
+
+
+def find_partition(flat: Tensor, params: Sequence[Tensor], ordinals: Mapping[int, int]) -> Optional[Partition]:
+    """The :class:`~smmf.partitions.Partition` of ``flat`` if it is a DeepSpeed ZeRO buffer of the group whose
+    params the optimizer was given (``params``; ``ordinals``: each given param's place by ``id``), else None.
+    Makes one collective over the buffer's process group (every rank steps its buffers in the same order).
+    Raises ``RuntimeError`` for a DeepSpeed buffer it cannot map, or a configuration SMMF does not cover."""
+    if not is_deepspeed_buffer(flat, params):
+        return None
+    z3 = next((p._z3_optimizer for p in params if getattr(p, "_z3_optimizer", None) is not None), None)  # type: ignore[attr-defined]
+    if z3 is not None:
+        return _stage3(z3, flat, ordinals)
+    linked = [p for p in params if hasattr(p, "_dp_group")]
+    if not linked:
+        raise _unmapped(flat)
+    group = linked[0]._dp_group  # type: ignore[attr-defined]
+    refuse_unsupported(getattr(linked[0], "_zero_optimizer", None) or _calling_zero_optimizer(), group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mapped = [p for p in linked if getattr(p, "_hp_mapping", None) is not None
+              and _same_storage(p._hp_mapping.hp_fragment, flat)]  # type: ignore[attr-defined]
+    if not mapped:  # this rank's part of the group is padding alone
+        return exchange([], rank, world, group)
+    return exchange(_fragments(flat, mapped[0], linked, ordinals, rank, world), rank, world, group)
+
+
+def _fragments(flat: Tensor, member: Tensor, linked: Sequence[Tensor], ordinals: Mapping[int, int], rank: int,
+               world: int) -> list[Piece]:
+    """This rank's pieces of a ZeRO-1/2 group, from where its params lie in the group's flat buffer of bit16
+    weights: each one's ``.data`` is a view of it (DeepSpeed's own layout, round-robin order and alignment
+    padding included), which rank ``r`` of ``w`` partitions into ``w`` equal parts, ``flat`` being this rank's
+    part in fp32. (DeepSpeed's ``_hp_mapping`` offsets are not used: under ``round_robin_gradients`` without
+    alignment padding they follow the params' order, not the buffer's.)"""
+    storage = member.data.untyped_storage()
+    members = [p for p in linked if p.data.untyped_storage().data_ptr() == storage.data_ptr()]
+    part = flat.numel()
+    if storage.nbytes() != world * part * member.element_size():
+        raise _unmapped(flat)
+    pieces = []
+    for param in members:
+        first = int(param.data.storage_offset())
+        lo, hi = max(first, rank * part), min(first + param.numel(), (rank + 1) * part)
+        if lo < hi:
+            pieces.append(Piece(ordinals[id(param)], tuple(param.shape), lo - first, hi - lo, lo - rank * part))
+    return sorted(pieces, key=lambda piece: piece.offset)
+
+
+def _stage3(z3: Any, flat: Tensor, ordinals: Mapping[int, int]) -> Partition:
+    index = next((i for i, buffer in enumerate(z3.fp32_partitioned_groups_flat) if buffer is flat), None)
+    if index is None:
+        raise _unmapped(flat)
+    group = z3.sub_group_process_groups[index]
+    refuse_unsupported(z3, group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    pieces, offset = [], 0
+    for param in z3.fp16_groups[index]:
+        if id(param) not in ordinals:
+            raise RuntimeError("DeepSpeed ZeRO-3 steps a parameter that SMMF was not given: build SMMF with the "
+                               "model's parameters, before deepspeed.initialize")
+        part, numel = param.partition_numel(), param.ds_numel
+        held = max(0, min(part, numel - rank * part))
+        if held:
+            pieces.append(Piece(ordinals[id(param)], tuple(param.ds_shape), rank * part, held, offset))
+        offset += part
+    if offset != flat.numel():
+        raise _unmapped(flat)
+    return exchange(pieces, rank, world, group)
+
+
+def refuse_unsupported(zero_optimizer: Any, group: Any) -> None:
+    """Raise ``RuntimeError`` for what SMMF does not cover under DeepSpeed (``zero_optimizer``: DeepSpeed's ZeRO
+    optimizer where known): the optimizer state offloaded to NVMe; ZeRO-1/2's ``elastic_checkpoint``; ranks
+    partitioned over a group smaller than the world (pipeline, tensor or expert parallelism)."""
+    if getattr(zero_optimizer, "swap_optimizer", False):
+        raise RuntimeError("SMMF does not support DeepSpeed's offload of the optimizer state to NVMe "
+                           "(offload_optimizer.device='nvme'): its swapper moves flat tensors of the buffer's "
+                           "size, and SMMF's state is a few vectors and bits per tensor. Offload to 'cpu', or keep "
+                           "the state on the device: it is 1/16 to 1/60 of Adam's")
+    if getattr(zero_optimizer, "elastic_checkpoint", False):
+        raise RuntimeError("SMMF does not support DeepSpeed ZeRO's elastic_checkpoint, which merges and re-cuts the "
+                           "optimizer state as flat tensors of the buffer's size: set "
+                           "zero_optimization.elastic_checkpoint to false (its default)")
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise RuntimeError(f"SMMF under DeepSpeed ZeRO supports data parallelism over every rank; this buffer is "
+                           f"partitioned over {dist.get_world_size(group)} of {dist.get_world_size()} ranks "
+                           "(pipeline, tensor or expert parallelism), which is not supported: use ZeRO data "
+                           "parallelism alone, or FSDP2")
+
+
+def _calling_zero_optimizer() -> Any:
+    """The DeepSpeed optimizer whose method called SMMF (its ``step``, ``load_state_dict``), found up the call
+    stack; None where none is. Only its settings are read (:func:`refuse_unsupported`): stages 1 and 2 attach
+    none to the params they link."""
+    frame: Optional[FrameType] = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if type(owner).__module__.startswith("deepspeed.runtime.") and hasattr(owner, "elastic_checkpoint"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _unmapped(flat: Tensor) -> RuntimeError:
+    return RuntimeError(
+        f"SMMF got a flat buffer of {flat.numel()} elements from DeepSpeed whose pieces it cannot map to the "
+        "model's parameters: factorizing it as one tensor would not be SMMF. SMMF supports DeepSpeed ZeRO stages "
+        "1, 2 and 3 when built with the model's parameters before deepspeed.initialize (or by the Hugging Face "
+        "Trainer or Accelerate)")

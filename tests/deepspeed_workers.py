@@ -1,0 +1,277 @@
+"""Worker functions for the DeepSpeed tests: DeepSpeed on CPU (``DS_ACCELERATOR=cpu``) over gloo, N ranks. Each
+trains a small MLP whose tensors ZeRO's partitions cut mid-row, mid-byte and mid-block, and rank 0 writes what the
+parent test compares with the same training in one process (its reference, :func:`single_process`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+STEPS = 5
+MICRO = 2  # each rank's micro-batch
+IN, OUT = 37, 7
+LR, WEIGHT_DECAY = 1e-2, 0.01
+# (name, SMMF options, DeepSpeed settings: stage, accumulation, clip, bf16, zero_optimization's others)
+Case = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+class MLP(nn.Module):
+    """Tensors of 4773, 129, 129, 129, 38700, 300, 2100 and 7 elements: rows of 37, 129 and 300 elements, so that the
+    levels code's blocks of 128 are cut too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, 129)
+        self.norm = nn.LayerNorm(129)
+        self.fc2 = nn.Linear(129, 300)
+        self.fc3 = nn.Linear(300, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(self.norm(torch.tanh(self.fc1(x))))))
+
+
+def make_model() -> MLP:
+    torch.manual_seed(0)
+    return MLP()
+
+
+def batch(step: int, micro: int, size: int = MICRO) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``micro``-th micro-batch at ``step`` (rank r's k-th of a step is micro-batch k·world + r)."""
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(size, IN, generator=gen), torch.randn(size, OUT, generator=gen)
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def single_process(options: dict[str, Any], world: int, accumulation: int = 1, clip: float = 0.0,
+                   steps: int = STEPS) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The same training in one process, each step's gradient the mean over the ranks' micro-batches (as
+    DeepSpeed averages them), clipped by its global norm as DeepSpeed clips it: the params after ``steps`` steps,
+    and before."""
+    from smmf import SMMF
+
+    model = make_model()
+    optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(accumulation * world):
+            (loss_fn(model, *batch(step, micro)) / (accumulation * world)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], start
+
+
+def init(rank: int, world: int, port: int) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    torch.set_num_threads(1)  # the parent's reference runs on one thread too: the kernels' sums follow the threads
+    import deepspeed
+
+    with redirect_stdout(sys.stderr):
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def config(stage: int, world: int, accumulation: int = 1, clip: float = 0.0, bf16: bool = False,
+           **zero: Any) -> dict[str, Any]:
+    """DeepSpeed's configuration; ``gradient_clipping`` always set (DeepSpeed clips at 1.0 unless it is)."""
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accumulation,
+            "train_batch_size": MICRO * accumulation * world, "gradient_clipping": clip,
+            "zero_optimization": {"stage": stage, **zero}, "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False, "bf16": {"enabled": bf16}, "steps_per_print": 10**9}
+
+
+def engine_for(options: dict[str, Any], world: int, settings: dict[str, Any]):
+    import deepspeed
+
+    from smmf import SMMF
+
+    model = make_model()
+    optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+    with redirect_stdout(sys.stderr):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(world=world, **settings))
+    return engine, optimizer
+
+
+def train(engine, steps: range, rank: int, world: int, accumulation: int = 1) -> None:
+    dtype = next(engine.module.parameters()).dtype
+    for step in steps:
+        for micro in range(accumulation):
+            x, y = batch(step, micro * world + rank)
+            engine.backward(loss_fn(engine, x.to(dtype), y))
+            engine.step()
+
+
+def full_params(engine) -> list[torch.Tensor]:
+    """Every param's fp32 master, whole, on every rank (a collective). Stages 1 and 2 in fp32: the model's params,
+    which DeepSpeed gathers after each step (its ``_hp_mapping``, which ``safe_get_full_fp32_param`` reads, does not
+    follow ``round_robin_gradients``)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() < 3 and params[0].dtype == torch.float32:
+        return [p.detach().clone() for p in params]
+    return [safe_get_full_fp32_param(p).detach().clone().float() for p in params]
+
+
+def masters(engine) -> list[torch.Tensor]:
+    """Every param's fp32 master (DeepSpeed's partition of it), whole, on every rank (a collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return [safe_get_full_fp32_param(p).detach().clone().float() for p in engine.module.parameters()]
+
+
+def _state_tensors(optimizer) -> list[torch.Tensor]:
+    return [t.clone() for held in optimizer.state.values() for state in held["pieces"].values()
+            for t in state.values() if torch.is_tensor(t)]
+
+
+# ---- jobs: each runs its cases on every rank and returns what rank 0 keeps
+
+
+def equality(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case trained STEPS steps: the full params, and the shapes of the state of each piece rank 0 holds."""
+    results = {}
+    for name, options, settings in cases:
+        engine, optimizer = engine_for(options, world, settings)
+        train(engine, range(STEPS), rank, world, settings.get("accumulation", 1))
+        shapes = {ordinal: {key: tuple(value.shape) for key, value in state.items() if torch.is_tensor(value)}
+                  for held in optimizer.state.values() for ordinal, state in held["pieces"].items()}
+        results[name] = {"params": full_params(engine), "pieces": shapes}
+        engine.destroy()
+    return results
+
+
+def bf16_by_hand(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case under DeepSpeed's bf16 mixed precision (bf16 weights, its fp32 master copy), STEPS steps; rank 0
+    also steps the masters by hand, whole tensors in one process, with the gradient DeepSpeed hands its optimizer
+    (reduced across ranks in bf16 by DeepSpeed, then made fp32). After each step: the largest difference between the
+    two over their update since the start (norms by tensor); whether the model's bf16 weights are the masters
+    rounded to nearest."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from smmf import SMMF
+
+    results = {}
+    for name, options, settings in cases:
+        engine, _ = engine_for(options, world, dict(settings, bf16=True))
+        masters = [p.requires_grad_() for p in full_params(engine)]
+        start = [m.detach().clone() for m in masters]
+        by_hand = SMMF(masters, lr=LR, weight_decay=WEIGHT_DECAY, **options)
+        gaps, rounded = [], True
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            engine.backward(loss_fn(engine, x.bfloat16(), y))
+            grads = [safe_get_full_grad(p).detach().float().clone() for p in engine.module.parameters()]
+            engine.step()
+            got = full_params(engine)
+            if settings["stage"] < 3:  # stage 3 keeps only partitions of the bf16 weights
+                rounded &= all(torch.equal(p.detach(), g.bfloat16()) for p, g in zip(engine.module.parameters(), got))
+            for master, grad in zip(masters, grads):
+                master.grad = grad
+            by_hand.step()
+            gaps.append(max(((g - m).norm() / (m - s).norm()).item() for g, m, s in zip(got, masters, start)))
+        results[name] = {"gaps": gaps, "rounded": rounded}
+        engine.destroy()
+    return results
+
+
+def checkpoints(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case trained 6 steps straight, and again saved at step 3 by ``engine.save_checkpoint`` (into ``out``),
+    loaded into fresh objects by ``engine.load_checkpoint`` and trained on: both runs' full params."""
+    results = {}
+    for name, options, settings in cases:
+        accumulation = settings.get("accumulation", 1)
+        engine, _ = engine_for(options, world, settings)
+        train(engine, range(6), rank, world, accumulation)
+        straight = full_params(engine)
+        engine.destroy()
+        engine, _ = engine_for(options, world, settings)
+        train(engine, range(3), rank, world, accumulation)
+        with redirect_stdout(sys.stderr):
+            engine.save_checkpoint(str(out / name), tag="step3")
+        engine.destroy()
+        engine, _ = engine_for(options, world, settings)
+        with redirect_stdout(sys.stderr):
+            engine.load_checkpoint(str(out / name), tag="step3")
+        train(engine, range(3, 6), rank, world, accumulation)
+        results[name] = {"straight": straight, "resumed": full_params(engine)}
+        engine.destroy()
+    return results
+
+
+def reloads(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case's checkpoint of :func:`checkpoints` (maybe of another number of ranks) loaded after a step of
+    fresh objects: the error the load raised (or None), and whether SMMF's state and DeepSpeed's fp32 masters
+    stayed as they were."""
+    results = {}
+    for name, options, settings in cases:
+        engine, optimizer = engine_for(options, world, settings)
+        train(engine, range(1), rank, world)
+        state, params = _state_tensors(optimizer), masters(engine)
+        error: Optional[str] = None
+        try:
+            with redirect_stdout(sys.stderr):
+                engine.load_checkpoint(str(out / name), tag="step3")
+        except Exception as err:  # noqa: BLE001 - reported to the parent
+            error = f"{type(err).__name__}: {err}"
+        results[name] = {"error": error,
+                         "same_state": all(torch.equal(a, b) for a, b in zip(state, _state_tensors(optimizer))),
+                         "same_masters": all(torch.equal(a, b) for a, b in zip(params, masters(engine)))}
+        engine.destroy()
+    return results
+
+
+def refusals(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case built and stepped once: the error ``deepspeed.initialize`` or the first step raised (or None), and
+    whether the params stayed as they were and SMMF kept no state. A case whose options hold ``"foreign state"``
+    first steps, then finds under its buffer the keys DeepSpeed's universal checkpoint loads (Adam's)."""
+    results = {}
+    for name, options, settings in cases:
+        options = dict(options)
+        foreign = options.pop("foreign state", False)
+        engine, optimizer = engine_for(options, world, settings)
+        if foreign:
+            train(engine, range(1), rank, world)
+            for held in optimizer.state.values():  # what DeepSpeed's universal checkpoint loader writes there
+                held.update(step=3, exp_avg=torch.zeros(1), exp_avg_sq=torch.zeros(1))
+        params, kept = full_params(engine), len(optimizer.state)
+        error: Optional[str] = None
+        try:
+            train(engine, range(1, 2), rank, world)
+        except Exception as err:  # noqa: BLE001 - reported to the parent
+            error = f"{type(err).__name__}: {err}"
+        results[name] = {"error": error, "same_params": all(torch.equal(a, b) for a, b in zip(params, full_params(engine))),
+                         "new_state": len(optimizer.state) - kept}
+        engine.destroy()
+    return results
+
+
+JOBS: dict[str, Callable[[int, int, Path, list[Case]], dict[str, Any]]] = {
+    "equality": equality, "bf16_by_hand": bf16_by_hand, "checkpoints": checkpoints, "reloads": reloads,
+    "refusals": refusals}
+
+
+def battery(rank: int, world: int, port: int, out: str, jobs: list[tuple[str, list[Case]]]) -> None:
+    """Every job on every rank, one after another in one process group; rank 0 writes ``{job: results}`` to
+    ``out/battery-<world>.pt``."""
+    init(rank, world, port)
+    import torch.distributed as dist
+
+    results = {job: JOBS[job](rank, world, Path(out), cases) for job, cases in jobs}
+    if rank == 0:
+        torch.save(results, Path(out) / f"battery-{world}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's teardown can abort at exit (tests/dist_workers.finish)

@@ -1,0 +1,191 @@
+"""SMMF under DeepSpeed ZeRO, stages 1, 2 and 3, on CPU over gloo (``DS_ACCELERATOR=cpu``) at 1, 2 and 3 ranks: each
+tensor stepped with its own factorization, equal to the same training in one process; bf16 mixed precision equal to
+the same steps by hand; checkpoints that resume exactly; what is not supported refused before anything changes.
+Skipped where deepspeed is not installed (``pip install deepspeed``; CI installs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import deepspeed_workers as workers
+import smmf
+from smmf.matrix import square_matricize_shape
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed"),
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
+ROOT = Path(__file__).resolve().parent.parent
+RECOMMENDED = dict(smmf.RECOMMENDED)
+# The update of a whole run over STEPS steps, by tensor: DeepSpeed's params may differ from one process's by this
+# much of it (the order of the factor sums; with torch's Adam as the client this harness agrees to 7.5e-7).
+UPDATE_TOLERANCE = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _battery(tmp_path: Path, world: int, jobs: list) -> dict:
+    mp.start_processes(workers.battery, args=(world, _free_port(), str(tmp_path), jobs), nprocs=world, join=True,
+                       start_method="spawn")
+    return torch.load(tmp_path / f"battery-{world}.pt")
+
+
+def _gap(got: list[torch.Tensor], expected: list[torch.Tensor], start: list[torch.Tensor]) -> float:
+    """The largest difference by tensor, over the tensor's update in the run."""
+    return max(((g - e).norm() / (e - s).norm()).item() for g, e, s in zip(got, expected, start))
+
+
+@pytest.fixture
+def one_thread():
+    """The reference on one thread, as the ranks run: the fused kernels' sums follow the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_reproducer_factorizes_each_tensor_not_the_flat_buffer(tmp_path) -> None:
+    """The reproducer of the bug: ZeRO-2 handed SMMF one flat buffer of all 9610 params, which it factorized as a
+    155×62 matrix. Each param's state now has its own factors, laid out as on one device."""
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_free_port()}", RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0", DS_ACCELERATOR="cpu")
+        import deepspeed
+        from smmf import SMMF
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
+        opt = SMMF(model.parameters(), lr=1e-3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={{"train_batch_size": 8,
+            "zero_optimization": {{"stage": 2}}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}})
+        loss = engine(torch.randn(8, 64)).pow(2).mean(); engine.backward(loss); engine.step()
+        states = next(iter(opt.state.values()))["pieces"]
+        torch.save({{o: {{k: tuple(v.shape) for k, v in s.items() if torch.is_tensor(v)}} for o, s in states.items()}},
+                   sys.argv[1])
+    """)
+    out = tmp_path / "shapes.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shapes = torch.load(out)
+    assert sorted(shapes) == [0, 1, 2, 3]
+    for ordinal, numel in enumerate((64 * 128, 128, 128 * 10, 10)):
+        rows, cols = square_matricize_shape(numel)
+        assert shapes[ordinal] == {"row_m": (rows,), "col_m": (cols,), "sign_m": (-(-numel // 8),),
+                                   "row_v": (rows,), "col_v": (cols,)}
+
+
+def _equality_cases(world: int) -> list:
+    """Stages 1, 2, 3 with the paper's code and smmf.RECOMMENDED; with more than one rank also gradient
+    accumulation with DeepSpeed's clipping on, the magnitude flag, M's natural shape, no first moment and the dense
+    state of vectors, and ZeRO's options that move the buffers (round-robin order, stage 3's sub-groups, the
+    optimizer offloaded to the CPU)."""
+    cases = [(f"stage{stage}-{name}", options, dict(stage=stage))
+             for stage in (1, 2, 3) for name, options in (("paper", {}), ("recommended", RECOMMENDED))]
+    if world > 1:
+        cases += [
+            ("stage2-paper-accumulation-clipping", {}, dict(stage=2, accumulation=2, clip=0.05)),
+            ("stage3-recommended-accumulation-clipping", RECOMMENDED, dict(stage=3, accumulation=2, clip=0.05)),
+            ("stage1-flag", dict(magnitude_bits=1), dict(stage=1)),
+            ("stage3-flag", dict(magnitude_bits=1), dict(stage=3)),
+            ("stage2-natural", dict(momentum_shape="natural"), dict(stage=2)),
+            ("stage3-no-first-moment", dict(beta=None), dict(stage=3)),
+            ("stage2-dense-vectors", dict(vector_reshape=False), dict(stage=2)),
+            ("stage2-round-robin", {}, dict(stage=2, round_robin_gradients=True)),
+            ("stage3-sub-groups", RECOMMENDED, dict(stage=3, sub_group_size=5000)),
+            ("stage2-offload", RECOMMENDED, dict(stage=2, offload_optimizer={"device": "cpu"})),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_zero_equals_one_process(tmp_path, one_thread, world: int) -> None:
+    """fp32: DeepSpeed's params after STEPS steps are the one-process run's to 1e-5 of their update, whatever the
+    stage, the code of M and the ranks; each rank's pieces keep the factors of their whole tensor. bf16 mixed
+    precision: DeepSpeed's fp32 masters step as the same masters stepped by hand in one process with the gradient
+    DeepSpeed reduced, and the model's bf16 weights are those masters rounded to nearest."""
+    cases = _equality_cases(world)
+    bf16 = [(f"stage{stage}-{name}", options, dict(stage=stage))
+            for stage in (1, 2, 3) for name, options in (("paper", {}), ("recommended", RECOMMENDED))]
+    results = _battery(tmp_path, world, [("equality", cases), ("bf16_by_hand", bf16)])
+    gaps = {}
+    for name, options, settings in cases:
+        expected, start = workers.single_process(options, world, settings.get("accumulation", 1),
+                                                 settings.get("clip", 0.0))
+        gaps[name] = _gap(results["equality"][name]["params"], expected, start)
+        pieces = results["equality"][name]["pieces"]
+        assert pieces, name
+        for ordinal, shapes in pieces.items():
+            if "row_v" in shapes:  # the factors of the whole tensor, wherever ZeRO cut it
+                numel = [p.numel() for p in workers.make_model().parameters()][ordinal]
+                assert (shapes["row_v"][0], shapes["col_v"][0]) == square_matricize_shape(numel), (name, ordinal)
+    print(f"\nfp32, {world} rank(s), difference over the update: {gaps}")
+    assert max(gaps.values()) < UPDATE_TOLERANCE, gaps
+    by_hand = results["bf16_by_hand"]
+    print(f"bf16, {world} rank(s), per step: {by_hand}")
+    for name, result in by_hand.items():
+        assert result["rounded"], name
+        assert max(result["gaps"]) < UPDATE_TOLERANCE, (name, result["gaps"])
+
+
+def test_checkpoints_resume_exactly_and_another_number_of_ranks_is_refused(tmp_path) -> None:
+    """``engine.save_checkpoint`` at step 3 and ``load_checkpoint`` into fresh objects continue the run bit for bit at
+    the same number of ranks, every stage and code; at another number DeepSpeed refuses the load (its own
+    ZeRORuntimeException, for every optimizer) with SMMF's state and its fp32 masters as they were. (It has loaded
+    the module's weights by then.)"""
+    cases = [(f"stage{stage}-{name}", options, dict(stage=stage))
+             for stage in (1, 2, 3) for name, options in (("paper", {}), ("recommended", RECOMMENDED),
+                                                            ("flag", dict(magnitude_bits=1)))]
+    saved = _battery(tmp_path, 2, [("checkpoints", cases)])["checkpoints"]
+    for name, result in saved.items():
+        assert all(torch.equal(a, b) for a, b in zip(result["straight"], result["resumed"])), name
+    for world in (1, 3):
+        for name, result in _battery(tmp_path, world, [("reloads", cases)])["reloads"].items():
+            assert result["error"] is not None and "world size of 2" in result["error"], (name, result)
+            assert result["same_state"] and result["same_masters"], (name, result)
+
+
+def test_what_is_not_supported_is_refused_before_anything_changes(tmp_path) -> None:
+    """ZeRO-1/2's elastic checkpoints (which merge and re-cut the state as flat tensors) are refused at the first
+    step; so is a buffer whose state another optimizer's keys were loaded into (what DeepSpeed's universal checkpoint
+    loads), at the step after. Nothing changes."""
+    cases = [("stage2-elastic", {}, dict(stage=2, elastic_checkpoint=True)),
+             ("stage1-elastic-offload", {}, dict(stage=1, elastic_checkpoint=True, offload_optimizer={"device": "cpu"})),
+             ("stage2-universal", {"foreign state": True}, dict(stage=2)),
+             ("stage3-universal", {"foreign state": True}, dict(stage=3))]
+    results = _battery(tmp_path, 2, [("refusals", cases)])["refusals"]
+    for name, result in results.items():
+        assert result["error"] is not None and result["same_params"] and result["new_state"] == 0, (name, result)
+        assert ("elastic_checkpoint" in result["error"]) == ("elastic" in name), (name, result)
+        assert ("universal checkpoint" in result["error"]) == ("universal" in name), (name, result)
+
+
+def test_nvme_offload_and_partial_data_parallel_groups_are_refused(monkeypatch) -> None:
+    """What cannot run on this machine's DeepSpeed (NVMe needs its async I/O op) or without a model-parallel
+    launcher: the refusals themselves, on stand-ins for DeepSpeed's objects."""
+    from types import SimpleNamespace
+
+    from smmf.zero import refuse_unsupported
+
+    with pytest.raises(RuntimeError, match="NVMe"):
+        refuse_unsupported(SimpleNamespace(swap_optimizer=True), None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group is not None else 4)
+    with pytest.raises(RuntimeError, match="2 of 4 ranks"):
+        refuse_unsupported(None, "a data-parallel group of 2")
