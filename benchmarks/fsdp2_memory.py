@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from smmf.bench.machine import cpu_model
 from smmf.bench.procfs import reset_peak_rss, status_kib
-from smmf.bench.training_memory import PINNED_MMAP_THRESHOLD, WARM_UP_SHAPE, _build
+from smmf.bench.training_memory import PINNED_MMAP_THRESHOLD, WARM_UP_SHAPE, build_gpt2
 from smmf.sharding import local
 from smmf.table import format_table
 
@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, port: int, config: str, shape: tuple[int, ...],
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     n_layer, n_embd, n_head, batch, seq = shape
-    model = _build(n_layer, n_embd, n_head, False)
+    model = build_gpt2(n_layer, n_embd, n_head, False)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
