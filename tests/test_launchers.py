@@ -1,10 +1,11 @@
 """The launchers users train with, run for real through their examples: the Hugging Face Trainer (torchrun),
-Accelerate (``accelerate launch``) and Lightning (torchrun), each in 2 processes on CPU over gloo. Each trains, saves
-at step 3, resumes into fresh objects and must equal its uninterrupted run bit for bit (fp32, same ranks, same
-order of operations); Lightning's FSDP1 strategy must be refused by SMMF."""
+Accelerate (``accelerate launch``) and Lightning (torchrun), each in 2 processes on CPU over gloo, with FSDP2 and with
+DeepSpeed ZeRO. Each trains, saves at step 3, resumes into fresh objects and must equal its uninterrupted run bit for
+bit (fp32, same ranks, same order of operations); Lightning's FSDP1 strategy must be refused by SMMF."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -32,8 +33,9 @@ def _launch(out: Path, launcher: str, script: str, *flags: str) -> dict:
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", port]
-    else:  # accelerate launch; --multi_gpu picks its torchrun launcher, the script asks for the CPU itself
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    else:  # accelerate launch; --multi_gpu (or --use_deepspeed) picks its torchrun launcher, the script asks for the CPU
+        mode = "--use_deepspeed" if launcher == "accelerate-deepspeed" else "--multi_gpu"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", mode, "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_ip", "127.0.0.1", "--main_process_port", port]
     cmd += [str(ROOT / "examples" / script), "--out", str(out / "out"), "--params", str(out / "params.pt"), *flags]
@@ -147,3 +149,40 @@ def test_lightning_fsdp1_strategy_is_refused(run) -> None:
     result = run("torchrun", "lightning_fsdp2.py")  # the same launch: the example tries FSDPStrategy last
     assert result["fsdp1_error"] is not None
     assert "flattened by FSDP1" in result["fsdp1_error"] and "fully_shard" in result["fsdp1_error"]
+
+
+# ---- DeepSpeed ZeRO (SMMF maps ZeRO's flat partitions back to the model's tensors) ----
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_hf_trainer_deepspeed_resumes_exactly(run, stage: str) -> None:
+    pytest.importorskip("transformers")
+    result = run("torchrun", "hf_trainer_deepspeed.py", "--stage", stage)
+    assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["model"] == "DeepSpeedEngine"
+    assert (result["wrapper"], result["optimizer"]) == ("DeepSpeedOptimizerWrapper", "SMMF")
+    assert len(result["pieces"]) > 1  # rank 0's pieces of the model's tensors, each with its own factors
+    assert f"global_step{3}" in result["checkpoint"] and result["losses"][-1] < result["losses"][0]
+    _assert_resumes_exactly(result)
+
+
+@needs_deepspeed
+def test_accelerate_deepspeed_plugin_save_load_state_resumes_exactly(run) -> None:
+    pytest.importorskip("accelerate")
+    result = run("accelerate-deepspeed", "accelerate_deepspeed.py", "--stage", "1")
+    assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["model"] == "DeepSpeedEngine"
+    assert (result["wrapper"], result["optimizer"]) == ("DeepSpeedOptimizerWrapper", "SMMF")
+    assert result["pieces"] == {0: (12,)}  # fc1.weight (10 × 12: V 12 × 10); ZeRO put the rest on rank 1
+    assert "pytorch_model" in result["checkpoint"]
+    _assert_resumes_exactly(result)
+
+
+@needs_deepspeed
+def test_the_deepspeed_example_resumes_exactly(run) -> None:
+    """examples/deepspeed_zero.py, as docs/distributed.md shows it: ZeRO-3, each piece with its whole tensor's
+    factors."""
+    result = run("torchrun", "deepspeed_zero.py", "--stage", "3")
+    assert result["factors"] == {0: ((128,), (64,)), 1: ((16,), (8,)), 2: ((40,), (32,)), 3: ((5,), (2,))}
+    _assert_resumes_exactly(result)
