@@ -91,15 +91,21 @@ def config(stage: int, world: int, accumulation: int = 1, clip: float = 0.0, bf1
 
 
 def engine_for(options: dict[str, Any], world: int, settings: dict[str, Any]):
+    """DeepSpeed's engine of a fresh model and SMMF; with ``settings["callable"]``, SMMF built by DeepSpeed from a
+    client callable (``optimizer=lambda params: SMMF(params, ...)``)."""
     import deepspeed
 
     from smmf import SMMF
 
+    settings = dict(settings)
+    by_deepspeed = settings.pop("callable", False)
     model = make_model()
-    optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+    build = lambda params: SMMF(params, lr=LR, weight_decay=WEIGHT_DECAY, **options)  # noqa: E731
+    client: Any = build if by_deepspeed else build(model.parameters())
     with redirect_stdout(sys.stderr):
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(world=world, **settings))
-    return engine, optimizer
+        engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=client, config=config(world=world, **settings),
+                                                     model_parameters=model.parameters() if by_deepspeed else None)
+    return engine, engine.optimizer.optimizer
 
 
 def train(engine, steps: range, rank: int, world: int, accumulation: int = 1) -> None:
@@ -234,16 +240,27 @@ def reloads(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, An
 def refusals(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
     """Each case built and stepped once: the error ``deepspeed.initialize`` or the first step raised (or None), and
     whether the params stayed as they were and SMMF kept no state. A case whose options hold ``"foreign state"``
-    first steps, then finds under its buffer the keys DeepSpeed's universal checkpoint loads (Adam's)."""
+    first steps, then finds under its buffer the keys DeepSpeed's universal checkpoint loads (Adam's); one with
+    ``"step in backward"`` installs it on the engine's SMMF (refused there)."""
+    import smmf
+
     results = {}
     for name, options, settings in cases:
         options = dict(options)
         foreign = options.pop("foreign state", False)
+        in_backward = options.pop("step in backward", False)
         engine, optimizer = engine_for(options, world, settings)
         if foreign:
             train(engine, range(1), rank, world)
             for held in optimizer.state.values():  # what DeepSpeed's universal checkpoint loader writes there
                 held.update(step=3, exp_avg=torch.zeros(1), exp_avg_sq=torch.zeros(1))
+        if in_backward:
+            try:
+                smmf.step_in_backward(optimizer)
+            except RuntimeError as err:
+                results[name] = {"error": f"step_in_backward: {err}", "same_params": True, "new_state": 0}
+                engine.destroy()
+                continue
         params, kept = full_params(engine), len(optimizer.state)
         error: Optional[str] = None
         try:

@@ -95,8 +95,8 @@ def test_the_reproducer_factorizes_each_tensor_not_the_flat_buffer(tmp_path) -> 
 def _equality_cases(world: int) -> list:
     """Stages 1, 2, 3 with the paper's code and smmf.RECOMMENDED; with more than one rank also gradient
     accumulation with DeepSpeed's clipping on, the magnitude flag, M's natural shape, no first moment and the dense
-    state of vectors, and ZeRO's options that move the buffers (round-robin order, stage 3's sub-groups, the
-    optimizer offloaded to the CPU)."""
+    state of vectors, ZeRO's options that move the buffers (round-robin order, stage 3's sub-groups, the optimizer
+    offloaded to the CPU), and SMMF built by DeepSpeed from a client callable."""
     cases = [(f"stage{stage}-{name}", options, dict(stage=stage))
              for stage in (1, 2, 3) for name, options in (("paper", {}), ("recommended", RECOMMENDED))]
     if world > 1:
@@ -111,6 +111,7 @@ def _equality_cases(world: int) -> list:
             ("stage2-round-robin", {}, dict(stage=2, round_robin_gradients=True)),
             ("stage3-sub-groups", RECOMMENDED, dict(stage=3, sub_group_size=5000)),
             ("stage2-offload", RECOMMENDED, dict(stage=2, offload_optimizer={"device": "cpu"})),
+            ("stage3-built-by-deepspeed", RECOMMENDED, dict(stage=3, callable=True)),
         ]
     return cases
 
@@ -165,16 +166,18 @@ def test_checkpoints_resume_exactly_and_another_number_of_ranks_is_refused(tmp_p
 def test_what_is_not_supported_is_refused_before_anything_changes(tmp_path) -> None:
     """ZeRO-1/2's elastic checkpoints (which merge and re-cut the state as flat tensors) are refused at the first
     step; so is a buffer whose state another optimizer's keys were loaded into (what DeepSpeed's universal checkpoint
-    loads), at the step after. Nothing changes."""
+    loads), at the step after; and the step inside backward on the engine's SMMF. Nothing changes."""
     cases = [("stage2-elastic", {}, dict(stage=2, elastic_checkpoint=True)),
              ("stage1-elastic-offload", {}, dict(stage=1, elastic_checkpoint=True, offload_optimizer={"device": "cpu"})),
              ("stage2-universal", {"foreign state": True}, dict(stage=2)),
-             ("stage3-universal", {"foreign state": True}, dict(stage=3))]
+             ("stage3-universal", {"foreign state": True}, dict(stage=3)),
+             ("stage2-step-in-backward", {"step in backward": True}, dict(stage=2))]
     results = _battery(tmp_path, 2, [("refusals", cases)])["refusals"]
     for name, result in results.items():
         assert result["error"] is not None and result["same_params"] and result["new_state"] == 0, (name, result)
         assert ("elastic_checkpoint" in result["error"]) == ("elastic" in name), (name, result)
         assert ("universal checkpoint" in result["error"]) == ("universal" in name), (name, result)
+        assert ("inside backward" in result["error"]) == ("backward" in name), (name, result)
 
 
 def test_nvme_offload_and_partial_data_parallel_groups_are_refused(monkeypatch) -> None:

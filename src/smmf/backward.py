@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .backward_ranks import ModuleSync, is_ddp, is_fsdp2, managed_elsewhere
-from .optimizer import SMMF
+from .optimizer import _IN_BACKWARD_UNDER_DEEPSPEED, SMMF
 from .sharding import is_dtensor, local, shard_info
 from .state import LAYOUT_OPTIONS, check_state_fits, init_state
 
@@ -462,6 +462,8 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
             "other ranks would step it and that one not, and the replicas would drift apart. Build DDP without it "
             "(DDP then reports a parameter left unused), or use the ordinary optimizer.step()."
         )
+    if optimizer.holds_deepspeed_buffers():
+        raise RuntimeError(_IN_BACKWARD_UNDER_DEEPSPEED)
     _refuse_unreduced(module, [p for group in optimizer.param_groups for p in group["params"]])
     if optimizer._step_in_backward is not None:
         raise RuntimeError(

@@ -71,6 +71,9 @@ _OPTION_KEYS = ("lr", "beta", "eps", "weight_decay", "decay_rate", "growth_rate"
 # ``param_names`` in an optimizer built from ``named_parameters()`` (torch >= 2.6).
 _TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "swa_lr",
                      "param_names")
+_IN_BACKWARD_UNDER_DEEPSPEED = (
+    "the step inside backward cannot run under DeepSpeed ZeRO: ZeRO steps the optimizer itself, on flat buffers of "
+    "the parameters, after its own gradient reduction. Remove step_in_backward and let the engine step")
 # The packed bits of M (its signs, the magnitude flag): by rows of the parameter in FSDP2 checkpoints.
 _BIT_KEYS = frozenset({SIGN_M, FLAG_M})
 # A graph break under torch.compile, in the lazy form torch's own optimizers use: it imports dynamo at the first
@@ -443,7 +446,17 @@ class SMMF(Optimizer):
                 loss = closure()
         if self._step_in_backward is None:
             self.step_params([(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None])
+        elif self.holds_deepspeed_buffers():
+            raise RuntimeError(_IN_BACKWARD_UNDER_DEEPSPEED)
         return loss
+
+    def holds_deepspeed_buffers(self) -> bool:
+        """Whether DeepSpeed ZeRO has put flat buffers in this optimizer's groups in place of its params."""
+        from .zero import is_deepspeed_buffer
+
+        given = [p for p, _ in self._given.values()]
+        return any(self._given.get(id(p), (None,))[0] is not p and is_deepspeed_buffer(p, given)
+                   for group in self.param_groups for p in group["params"])
 
     def _check_options(self, group: dict[str, Any]) -> None:
         """Check a group's options again when they changed since the last check (schedulers and frameworks
