@@ -46,7 +46,8 @@ from torch import Tensor, nn
 from smmf import SMMF
 from smmf.bench.compare import warmup_cosine
 from smmf.bench.optimizers import optimizer_specs
-from smmf.bench.tasks import ByteGPT, Task, digits_split, from_scratch_lm_task, make_task, split_files, stdlib_bytes
+from smmf.bench.tasks import (ByteGPT, Task, digits_split, from_scratch_lm_task, make_task, split_files, stdlib_bytes,
+                              stdlib_lm_small_task)
 from smmf.matrix import square_matricize_shape
 from smmf.table import format_table
 
@@ -680,7 +681,7 @@ SMALL_GPT = ByteGPT(n_layer=4, n_embd=128, n_head=4, context=128, batch=32)  # p
 def stdlib_lm_small(steps: int = 400) -> Task:
     """The ``pydoc-lm`` model (a 4-layer, 128-wide byte-level GPT-2, context 128, batches of 32) trained from
     scratch on ``stdlib-lm``'s corpus and file split (the ``.py`` files of the standard library)."""
-    return from_scratch_lm_task("stdlib-lm-small", SMALL_GPT, stdlib_bytes, steps)
+    return stdlib_lm_small_task(steps)
 
 
 def header_bytes(task: str, root: Path, folders: Iterable[str] = (".",)) -> tuple[Tensor, Tensor]:

@@ -528,3 +528,53 @@ def test_plots_of_many_rows_have_a_colour_each_and_a_legend_beside(tmp_path) -> 
         plots.plot_all(runs, tmp_path)
     assert {p.name for p in tmp_path.iterdir()} == {"loss.png", "metric.png", "state_memory.png"}
     assert all(len(set(c)) == 12 for c in colours[:2])
+
+
+BF16_WEIGHTS = ["smmf-recommended-bf16", "smmf-recommended-bf16-sr", "adamw-bf16", "adamw-bf16-sr", "adamw-bf16-master"]
+
+
+@pytest.mark.parametrize("name", BF16_WEIGHTS)
+def test_the_bf16_weight_configurations_train_bf16_models(name: str) -> None:
+    """The bf16 study's rows train the model in bf16; its held-out loss is of those weights as fp32 numbers; an fp32
+    master copy counts as state (8 bytes of moments and 4 of master per parameter)."""
+    overrides = {"backend": "torch"} if name.startswith("smmf") else {}  # no JIT compilation in a quick test
+    seen = []
+    task = stdlib_lm_task(TINY)
+    evaluate = task.evaluate
+    task = Task(**{**task.__dict__, "evaluate": lambda model, device: seen.append(next(model.parameters()).dtype)
+                   or evaluate(model, device)})
+    result = train_one(task, name, overrides, steps=6, eval_every=6, seed=0, device=torch.device("cpu"),
+                       show_progress=False)
+    assert result["weights"] == "bf16" and not result["diverged"] and seen == [torch.float32]
+    numel = sum(p.numel() for p in TINY.build(0).parameters())
+    if name.startswith("adamw"):
+        assert result["state_bytes"] == (12 if name.endswith("master") else 8) * numel
+
+
+def test_bf16_weights_round_the_fp32_step_to_nearest_or_stochastically() -> None:
+    """AdamW's bf16 rows: the step of fp32 copies (made from the weights at each step, or kept), written back
+    rounded to nearest (the nearest bf16 of the fp32 step) or stochastically (up or down, never further)."""
+    from smmf.bench.bf16_weights import BF16Weights
+
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(4096, generator=gen).bfloat16()
+    grads = [torch.randn(4096, generator=gen).bfloat16() for _ in range(3)]
+    runs = {}
+    for key, options in {"nearest": {}, "stochastic": dict(stochastic_rounding=True), "master": dict(master=True)}.items():
+        weight = torch.nn.Parameter(start.clone())
+        reference = start.float().clone().requires_grad_()
+        optimizer = BF16Weights([weight], torch.optim.AdamW, lr=1e-2, **options)
+        fp32 = torch.optim.AdamW([reference], lr=1e-2)
+        for grad in grads:
+            if key != "master":
+                reference.data.copy_(weight.detach().float())
+            weight.grad, reference.grad = grad.clone(), grad.float()
+            optimizer.step()
+            fp32.step()
+            if key == "stochastic":  # one of the two bf16 numbers around the fp32 step: less than bf16's spacing away
+                exact = reference.detach()
+                assert ((weight.detach().float() - exact).abs() < exact.abs() * 2.0**-7).all()
+            else:
+                assert torch.equal(weight.detach(), reference.detach().bfloat16())
+        runs[key] = weight.detach().clone()
+    assert not torch.equal(runs["stochastic"], runs["nearest"])

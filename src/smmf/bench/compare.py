@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import inspect
 import json
 import math
@@ -130,7 +131,7 @@ FAST_MMAP_THRESHOLD = 32 << 20
 def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval_every: int, seed: int,
               device: torch.device, show_progress: bool = True) -> dict[str, Any]:
     spec = optimizer_specs(task.kind)[name]
-    model = task.build_model(seed).to(device)
+    model = _model(task, seed, device, spec.weights)
     model.train()
     kwargs = {**spec.kwargs, **overrides}
     optimizer = spec.build(model.parameters(), **kwargs)
@@ -146,7 +147,7 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
     train_ms: list[float] = []
     diverged = False
     for step in progress(range(1, steps + 1), f"{task.name} {spec.label}", steps, show_progress):
-        batch = next(batches)
+        batch = _in_weights_dtype(next(batches), spec.weights)
         start = time.perf_counter()
         loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
@@ -172,7 +173,7 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
             diverged = True
             break
         if step % eval_every == 0 or step == steps:
-            evals.append({"step": step, **task.evaluate(model, device)})
+            evals.append({"step": step, **task.evaluate(_evaluated(model, spec.weights), device)})
     metric_values = [e[task.metric] for e in evals]
     best = (max if task.higher_is_better else min)(metric_values) if metric_values else float("nan")
     return {
@@ -191,7 +192,27 @@ def train_one(task: Task, name: str, overrides: dict[str, Any], steps: int, eval
         "mean_step_ms": _mean_ms(step_ms),
         "mean_train_step_ms": _mean_ms(train_ms),
         "diverged": diverged,
+        "weights": spec.weights,
     }
+
+
+def _model(task: Task, seed: int, device: torch.device, weights: str) -> torch.nn.Module:
+    """The task's model, in bf16 for an optimizer of bf16 weights."""
+    model = task.build_model(seed).to(device)
+    return model.to(torch.bfloat16) if weights == "bf16" else model
+
+
+def _in_weights_dtype(batch: tuple[torch.Tensor, ...], weights: str) -> tuple[torch.Tensor, ...]:
+    """A batch's float inputs in bf16 for a bf16 model (token ids stay as they are)."""
+    if weights != "bf16":
+        return batch
+    return tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in batch)
+
+
+def _evaluated(model: torch.nn.Module, weights: str) -> torch.nn.Module:
+    """What a run's evaluation runs: bf16 weights as fp32 numbers, so that the held-out loss measures the weights,
+    not bf16's arithmetic in the evaluation."""
+    return model if weights == "fp32" else copy.deepcopy(model).float()
 
 
 def _mean_ms(times: list[float]) -> float:
@@ -311,12 +332,14 @@ def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], out: Path
 def _warm_up(task: Task, optimizers: list[str], seed: int, device: torch.device) -> None:
     """One untimed step of each optimizer on a throwaway model, so that no run's time or peak
     memory carries start-up costs (library initialization, JIT compilation)."""
-    model = task.build_model(seed).to(device)
-    task.loss(model, next(task.batches(seed, device))).backward()
-    task.evaluate(model, device)
     specs = optimizer_specs(task.kind)
-    for name in optimizers:
-        specs[name].build(model.parameters(), **specs[name].kwargs).step()
+    for weights in sorted({specs[name].weights for name in optimizers}):
+        model = _model(task, seed, device, weights)
+        task.loss(model, _in_weights_dtype(next(task.batches(seed, device)), weights)).backward()
+        task.evaluate(_evaluated(model, weights), device)
+        for name in optimizers:
+            if specs[name].weights == weights:
+                specs[name].build(model.parameters(), **specs[name].kwargs).step()
 
 
 def run(tasks: list[str], optimizers: list[str], steps: Optional[int], seed: int, device: torch.device,

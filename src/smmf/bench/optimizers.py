@@ -37,6 +37,7 @@ class OptimizerSpec:
     kwargs: dict[str, Any]
     scheduled: bool = True  # False: the optimizer sets its own step size
     requires: Optional[str] = None  # the optional package it comes from (a peer), imported when built
+    weights: str = "fp32"  # "bf16": the model is trained in bf16 (weights, forward and backward)
 
 
 def missing_package(spec: OptimizerSpec) -> Optional[str]:
@@ -57,6 +58,17 @@ def _pyopt(name: str) -> Callable[..., torch.optim.Optimizer]:
         return getattr(pytorch_optimizer, name)(params, **kwargs)
 
     return build
+
+
+def _bf16(build: Callable[..., torch.optim.Optimizer], master: bool = False,
+          stochastic: bool = False) -> Callable[..., torch.optim.Optimizer]:
+    """``build`` on fp32 copies of bf16 weights (:class:`~smmf.bench.bf16_weights.BF16Weights`)."""
+    def wrapped(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        from .bf16_weights import BF16Weights
+
+        return BF16Weights(params, build, master=master, stochastic_rounding=stochastic, **kwargs)
+
+    return wrapped
 
 
 def _peer(module: str, name: str) -> Callable[..., torch.optim.Optimizer]:
@@ -85,6 +97,7 @@ def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
     smmf = dict(lr=lr, beta=0.9, eps=1e-8, weight_decay=wd, weight_decay_mode="adam",
                 decay_rate=-0.8 if finetune else -0.5, growth_rate=0.999)
     adamw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+    recommended = smmf | dict(RECOMMENDED) | dict(weight_decay_mode="adamw")
     return {
         "adam": OptimizerSpec("Adam", torch.optim.Adam, dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)),
         "adafactor": OptimizerSpec("Adafactor", _pyopt("AdaFactor"), adafactor, scheduled=not cnn),
@@ -97,11 +110,24 @@ def optimizer_specs(kind: str) -> dict[str, OptimizerSpec]:
         "smmf-natural-flag": OptimizerSpec("SMMF natural+flag", SMMF,
                                            smmf | dict(momentum_shape="natural", magnitude_bits=1)),
         # smmf.RECOMMENDED with SMMF's default decoupled weight decay (the figure AdamW gets).
-        "smmf-recommended": OptimizerSpec("SMMF recommended", SMMF,
-                                          smmf | dict(RECOMMENDED) | dict(weight_decay_mode="adamw")),
+        "smmf-recommended": OptimizerSpec("SMMF recommended", SMMF, recommended),
         "adafactor-torch": OptimizerSpec("Adafactor (torch, no β1)", torch.optim.Adafactor,
                                          dict(lr=1e-2, beta2_decay=-0.8, weight_decay=wd)),
         "adamw": OptimizerSpec("AdamW (torch, fused)", torch.optim.AdamW, adamw | dict(fused=True)),
+        # bf16 weights (the bf16 study, docs/training.md): SMMF steps them itself, rounding to nearest or
+        # stochastically; AdamW steps fp32 copies, made from them at every step (its moments stay fp32) or kept
+        # between steps (an fp32 master copy: mixed precision as usually done).
+        **{f"{RECOMMENDED_SMMF}-bf16{tail}": OptimizerSpec(f"SMMF recommended, bf16 weights{label}", SMMF, recommended
+                                                           | dict(stochastic_rounding=bool(tail)), weights="bf16")
+           for tail, label in (("", ""), ("-sr", ", stochastic rounding"))},
+        "adamw-bf16": OptimizerSpec("AdamW, bf16 weights", _bf16(torch.optim.AdamW), adamw | dict(fused=True),
+                                    weights="bf16"),
+        "adamw-bf16-sr": OptimizerSpec("AdamW, bf16 weights, stochastic rounding",
+                                       _bf16(torch.optim.AdamW, stochastic=True), adamw | dict(fused=True),
+                                       weights="bf16"),
+        "adamw-bf16-master": OptimizerSpec("AdamW, bf16 weights, fp32 master copy",
+                                           _bf16(torch.optim.AdamW, master=True), adamw | dict(fused=True),
+                                           weights="bf16"),
         **{name: OptimizerSpec(label, _peer(module, cls), adamw | extra, requires=module.partition(".")[0])
            for name, (label, module, cls, extra) in PEERS.items()},
     }

@@ -142,7 +142,7 @@ FUSED_GELU = "gelu_pytorch_tanh"
 
 def _lm_loss(model: nn.Module, batch: Batch) -> Tensor:
     x, y = batch
-    logits = model(input_ids=x).logits
+    logits = model(input_ids=x).logits.float()  # a bf16 model's too, as transformers' own loss does
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -265,6 +265,12 @@ STDLIB_GPT = ByteGPT()
 
 def stdlib_lm_task(model: ByteGPT = STDLIB_GPT, default_steps: int = 2000) -> Task:
     return from_scratch_lm_task("stdlib-lm", model, stdlib_bytes, default_steps)
+
+
+def stdlib_lm_small_task(default_steps: int = 400) -> Task:
+    """``pydoc-lm``'s model (4 layers, 128 wide, context 128, batches of 32) trained from scratch on ``stdlib-lm``'s
+    corpus and file split: the studies' held-out task, a few minutes a run."""
+    return from_scratch_lm_task("stdlib-lm-small", PYDOC_GPT, stdlib_bytes, default_steps)
 
 
 def from_scratch_lm_task(name: str, model: ByteGPT, streams: Callable[[], tuple[Tensor, Tensor]],
@@ -401,6 +407,7 @@ TASKS: dict[str, Task] = {
 }
 DEFAULT_TASKS = tuple(TASKS)  # the default run; the longer tasks below are opt-in
 TASKS["stdlib-lm"] = stdlib_lm_task()
+TASKS["stdlib-lm-small"] = stdlib_lm_small_task()
 TASKS["finetune-lm"] = finetune_lm_task()
 
 
