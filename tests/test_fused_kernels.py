@@ -386,12 +386,12 @@ def test_two_rows_in_one_loop_match_the_torch_path() -> None:
 
 _CACHE_PROBE = """
 import hashlib, json, torch, smmf
-from smmf.kernels.numba_cpu import passes
+from smmf.kernels.numba_cpu import launches, sign
 torch.manual_seed(0)
 p = torch.nn.Parameter(torch.randn(100, 100, dtype=torch.float64))  # a launch of its own, the serial kernel
 p.grad = torch.randn_like(p)
 smmf.SMMF([p], backend="numba").step()
-serial = passes._kernel_serial.stats
+serial = sign.kernel_serial.stats
 hits, misses = [sum(serial.cache_hits.values())], [sum(serial.cache_misses.values())]
 # Small fp32 tensors (the quick-start CNN's biases) and larger ones: the two shared launches.
 params = [torch.nn.Parameter(torch.randn(s)) for s in [(30, 20), (20,), (7, 3, 3), (300, 300)]]
@@ -403,7 +403,7 @@ for _ in range(2):
 lone = torch.nn.Parameter(torch.randn(40, 10))
 lone.grad = torch.randn_like(lone)
 smmf.SMMF([lone], backend="numba").step()
-shared = [passes.many_kernel.stats, passes.many_blocks_kernel.stats]
+shared = [launches.many_kernel.stats, launches.many_blocks_kernel.stats]
 print(json.dumps({"hits": hits + [sum(k.cache_hits.values()) for k in shared],
                   "misses": misses + [sum(k.cache_misses.values()) for k in shared],
                   "result": hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in [p, *params, lone])).hexdigest()}))
@@ -463,15 +463,15 @@ def test_the_kernels_compile_once_and_fresh_processes_load_them_from_the_cache(c
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
 def test_a_kernels_cache_entry_is_keyed_on_every_source_it_compiles_from(tmp_path) -> None:
-    """numba keys an entry on the cached function's own file: an edit of elements.py (inlined into passes.py's
+    """numba keys an entry on the cached function's own file: an edit of elements.py (inlined into sign.py's
     kernels), as a fix of the element math or an upgrade brings, kept loading the old code."""
     from pathlib import Path
 
-    from smmf.kernels.numba_cpu import cache, levels, passes
+    from smmf.kernels.numba_cpu import cache, launches, levels
 
     here = Path(cache.__file__).parent
     assert {here / "elements.py", here / "access.py", here.parents[1] / "levels.py"} <= set(cache._SOURCES)
-    for kernel in (passes.many_kernel, levels._levels_kernel_serial):
+    for kernel in (launches.many_kernel, levels._levels_kernel_serial):
         assert kernel._cache._cache_file._source_stamp[1] == cache.sources_digest()
     copies = tuple(tmp_path / str(i) for i in range(len(cache._SOURCES)))
     for path, copy in zip(cache._SOURCES, copies):
@@ -736,7 +736,7 @@ def test_every_fused_kernel_survives_a_broken_cache() -> None:
             if (isinstance(value, numba.core.registry.CPUDispatcher) and value.__module__ == info.name
                     and not isinstance(value._cache, numba.core.caching.NullCache)):
                 cached[f"{info.name}.{name}"] = value
-    assert {"_kernel_serial", "many_kernel", "many_blocks_kernel"} <= {name.rsplit(".", 1)[1] for name in cached}
+    assert {"kernel_serial", "many_kernel", "many_blocks_kernel"} <= {name.rsplit(".", 1)[1] for name in cached}
     def wrappers(method) -> set[str]:
         """The functions that ``method`` calls through its closure, down to numba's own method."""
         names = set()

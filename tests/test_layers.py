@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "smmf"
 
 # Lowest first. A module imports (anywhere in its body) only from its own layer or lower ones.
 LAYERS = [
-    {"matrix", "levels", "schedules", "table"},
+    {"matrix", "levels", "schedules", "table", "schema"},
     {"sharding"},
     {"state"},
     {"functional"},

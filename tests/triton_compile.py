@@ -48,12 +48,12 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         if vector and not aligned:
             continue  # 16-byte rows are whole sign bytes
         consts = dict(W_DTYPE=dtype, HAS_M=has_m, ALIGNED=aligned, VECTOR=vector, SHARD=shard,
-                      STOCHASTIC=dtype == tl.bfloat16, ZERO_BAD=True, NATURAL=natural, FLAG=flag,
+                      STOCHASTIC_ROUNDING=dtype == tl.bfloat16, ZERO_NONFINITE=True, NATURAL=natural, FLAG=flag,
                       STAGES=table.PIPELINE_STAGES, PREFETCH=table.PREFETCH, **TILES)
         label = f"step {dtype} m={has_m} aligned={aligned} vector={vector} shard={shard} natural={natural} flag={flag}"
         out.append((label, step.step_kernel, STEP_ARGS, consts, table.WARPS))
     for flag in (False, True):
-        consts = dict(W_DTYPE=tl.float32, ZERO_BAD=True, FLAG=flag, **TILES)
+        consts = dict(W_DTYPE=tl.float32, ZERO_NONFINITE=True, FLAG=flag, **TILES)
         out.append((f"momentum sums flag={flag}", step.momentum_sums_kernel, SUMS_ARGS, consts, table.WARPS))
     for first, moments, scratch, flag in ((0, 2, False, False), (0, 1, False, False), (1, 1, True, True),
                                           (0, 1, False, True)):
@@ -65,11 +65,11 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
                 dict(BLOCK=256), 4))
     for dtype in (tl.float32, tl.bfloat16, tl.float16):
         out.append((f"levels V sums {dtype}", levels.v_sums_kernel, LEVELS_V_SUMS_ARGS,
-                    dict(W_DTYPE=dtype, ZERO_BAD=True, **TILES), table.WARPS))
+                    dict(W_DTYPE=dtype, ZERO_NONFINITE=True, **TILES), table.WARPS))
         bf16 = ((False, False), (True, False), (False, True), (True, True))  # weights' rounding × the levels'
         for stochastic, dithered in bf16 if dtype == tl.bfloat16 else ((False, False), (False, True)):
             out.append((f"levels step {dtype} stochastic={stochastic} dither={dithered}", levels.levels_step_kernel,
-                        LEVELS_STEP_ARGS, dict(W_DTYPE=dtype, ZERO_BAD=True, STOCHASTIC=stochastic, DITHER=dithered,
+                        LEVELS_STEP_ARGS, dict(W_DTYPE=dtype, ZERO_NONFINITE=True, STOCHASTIC_ROUNDING=stochastic, DITHER=dithered,
                                                BLOCKS=levels.BLOCKS_PER_PROGRAM), levels.STEP_WARPS))
     return out
 

@@ -86,6 +86,16 @@ class StepConfig:
                              "this step, smmf.levels.rounding_key(step, ordinal) (StepConfig.for_param sets it)")
         return self.rounding_key
 
+    def numbers(self, dtype: torch.dtype) -> tuple[float, ...]:
+        """The step's numbers as the fused kernels take them, but the factor sums' cap (which depends on the
+        tensor's size): :data:`smmf.schema.STEP_NUMBERS`' first ten, as Python floats, for weights computed in
+        ``dtype`` (β1_t and 1 − β1_t are 0 without a first moment; each 1 − β rounded once from float64)."""
+        gsign, shrink, l2 = self.folded()
+        beta1 = 0.0 if self.beta1 is None else self.beta1
+        rest1 = 0.0 if self.beta1 is None else 1.0 - self.beta1
+        return (self.lr, beta1, rest1, self.beta2, 1.0 - self.beta2, self.eps, gsign, shrink, l2,
+                float(torch.finfo(dtype).max))
+
     def folded(self) -> tuple[float, float, float]:
         """``(gsign, shrink, l2)``: maximize and weight decay as every path applies them —
         ``W ← shrink·W`` (decoupled decay), then ``G ← gsign·G + l2·W`` (coupled, L2)."""

@@ -1,32 +1,24 @@
 """Layout of the per-parameter SMMF state: which tensors, of which shape and dtype.
 
-One function, :func:`state_layout`, decides the layout from a parameter and its group's options.
-The optimizer builds its state from it, checkpoint loading validates against it, and the memory
-predictor counts it; so the three can never disagree.
+One function, :func:`state_layout`, decides the layout from a parameter and its group's options, by the step
+schema of its code of M (:data:`smmf.schema.SCHEMA`). The optimizer builds its state from it, checkpoint loading
+validates against it, and the memory predictor counts it; so the three can never disagree.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from typing import Any, Mapping, NamedTuple, Optional, cast
 
 import torch
 from torch import Tensor
 
-from .levels import codes_shape, levels_shape, scales_shape
+from .levels import codes_shape, levels_shape
 from .matrix import packed_sign_bytes, square_matricize_shape
+from .schema import (CODES_M, COL_M, COL_V, EXP_AVG, EXP_AVG_SQ, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SCHEMA,
+                     SIGN_M, STEP, Dims, MomentumCode)
 from .sharding import as_state, is_dtensor, local, shard_info
 
-# Keys of the factored state (a parameter seen as an n×m matrix).
-ROW_M, COL_M, SIGN_M = "row_m", "col_m", "sign_m"
-ROW_V, COL_V = "row_v", "col_v"
-# The 1-bit magnitude flag of M (``magnitude_bits=1``): packed bits [|M| > r cᵀ], and the two
-# levels (high, low) that scale r cᵀ where the flag is set / clear.
-FLAG_M, LEVELS_M = "flag_m", "levels_m"
-# The block-levels code of M (``magnitude_bits=3``, :mod:`smmf.levels`): 4-bit codes, two per byte, and a
-# bf16 scale per block of a row.
-CODES_M, SCALES_M = "codes_m", "scales_m"
 MOMENTUM_SHAPES = ("square", "natural")
 # The group options that decide a state's layout (state_layout reads them; check_state_fits refuses a change).
 LAYOUT_OPTIONS = ("beta", "vector_reshape", "momentum_shape", "magnitude_bits")
@@ -37,9 +29,6 @@ MOMENTUM_CODE_DEFAULTS: dict[str, Any] = {"momentum_shape": "square", "magnitude
 
 def momentum_option(group: Mapping[str, Any], key: str) -> Any:
     return group.get(key, MOMENTUM_CODE_DEFAULTS[key])
-# Keys of the dense state (1-D parameters when ``vector_reshape=False``).
-EXP_AVG, EXP_AVG_SQ = "exp_avg", "exp_avg_sq"
-STEP = "step"
 
 
 class TensorSpec(NamedTuple):
@@ -75,23 +64,6 @@ def momentum_matrix_shape(param: Tensor, group: Mapping[str, Any]) -> tuple[int,
     return matrix_shape(param)
 
 
-class MomentumCode(enum.Enum):
-    """How a parameter's state stores its moments: decided by the group's options and the param
-    (:func:`momentum_code`), carried to every path by :attr:`smmf.functional.StepConfig.code`, and
-    the source of the state's layout (:func:`state_layout`). No path infers it from the state's keys.
-    M's view (V's square one, or the natural one) is geometry, not code: ``row_m``/``col_m``'s lengths."""
-
-    DENSE = "dense"  # Adam's elementwise V (and M when beta is set): 1-D tensors under vector_reshape=False
-    NONE = "none"  # factored V, no first moment (beta=None)
-    SIGN = "sign"  # the paper's: M's 1-bit signs and a rank-1 NNMF of |M|
-    FLAG = "flag"  # SIGN plus a 1-bit magnitude flag and two levels (magnitude_bits=1)
-    LEVELS = "levels"  # a sign and a 3-bit level per element, a bf16 scale per block of a row (magnitude_bits=3)
-
-    # A member equals only itself: hashed by identity, in C (Enum's hashes its name in Python, and the
-    # code is part of several keys looked up for every param at every step).
-    __hash__ = object.__hash__
-
-
 def momentum_code(param: Tensor, group: Mapping[str, Any]) -> MomentumCode:
     """The code of ``param``'s state under ``group``'s options."""
     if is_dense(param, group):
@@ -107,45 +79,27 @@ def momentum_cols(state: Mapping[str, Any], cols: int) -> int:
     return state[COL_M].numel() if COL_M in state else cols
 
 
-def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpec]:
-    """The tensors SMMF keeps for ``param`` between steps (``step`` is a plain int)."""
-    dtype = factor_dtype(param)
-    code = momentum_code(param, group)
-    if code is MomentumCode.DENSE:
-        dense = TensorSpec(tuple(real_view(param).shape), dtype)
-        return ({EXP_AVG: dense} if group["beta"] is not None else {}) | {EXP_AVG_SQ: dense}
+def dims(param: Tensor, group: Mapping[str, Any]) -> Dims:
+    """``param``'s geometry under ``group``'s options, as the schema's shape rules read it: an FSDP2 shard's
+    bits are its own (padded to the largest shard), laid out per rank in the global tensor."""
+    real = real_view(param)
     rows, cols = matrix_shape(param)
-    layout: dict[str, TensorSpec] = {}
-    if code is MomentumCode.LEVELS:
-        m_rows, m_cols = levels_shape(tuple(param.shape), real_view(param).numel())
-        layout[CODES_M] = TensorSpec(codes_shape(m_rows, m_cols), torch.uint8)
-        layout[SCALES_M] = TensorSpec(scales_shape(m_rows, m_cols), torch.bfloat16)
-    elif code is not MomentumCode.NONE:
-        info = shard_info(param)
-        m_rows, m_cols = momentum_matrix_shape(param, group)
-        layout[ROW_M] = TensorSpec((m_rows,), dtype)
-        layout[COL_M] = TensorSpec((m_cols,), dtype)
-        sign_bytes = packed_sign_bytes(rows * cols) if info is None else info.sign_bytes * (info.world if info.sharded else 1)
-        layout[SIGN_M] = TensorSpec((sign_bytes,), torch.uint8)
-        if code is MomentumCode.FLAG:
-            layout[FLAG_M] = TensorSpec((sign_bytes,), torch.uint8)
-            layout[LEVELS_M] = TensorSpec((2,), dtype)
-    layout[ROW_V] = TensorSpec((rows,), dtype)
-    layout[COL_V] = TensorSpec((cols,), dtype)
-    return layout
+    info = shard_info(param)
+    bit_bytes = packed_sign_bytes(rows * cols) if info is None else info.sign_bytes * (info.world if info.sharded else 1)
+    return Dims(rows, cols, *momentum_matrix_shape(param, group), *levels_shape(tuple(param.shape), real.numel()),
+                tuple(real.shape), bit_bytes)
+
+
+def state_layout(param: Tensor, group: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """The tensors SMMF keeps for ``param`` between steps (``step`` is a plain int): its code's schema fields."""
+    geometry, factor = dims(param, group), factor_dtype(param)
+    dtypes = {"factor": factor, "uint8": torch.uint8, "bf16": torch.bfloat16}
+    return {field.key: TensorSpec(field.shape(geometry), dtypes[field.dtype])
+            for field in SCHEMA[momentum_code(param, group)] if group["beta"] is not None or not field.first_moment}
 
 
 def _keys_of(code: MomentumCode, beta: bool) -> frozenset[str]:
-    if code is MomentumCode.DENSE:
-        return frozenset({EXP_AVG_SQ} | ({EXP_AVG} if beta else set()))
-    keys = {ROW_V, COL_V}
-    if code is MomentumCode.LEVELS:
-        return frozenset(keys | {CODES_M, SCALES_M})
-    if code is not MomentumCode.NONE:
-        keys |= {ROW_M, COL_M, SIGN_M}
-    if code is MomentumCode.FLAG:
-        keys |= {FLAG_M, LEVELS_M}
-    return frozenset(keys)
+    return frozenset(field.key for field in SCHEMA[code] if beta or not field.first_moment)
 
 
 # The keys of :func:`state_layout` and ``step`` for each code (and, for DENSE, with a first moment or not),

@@ -9,10 +9,12 @@ write the same byte. With the magnitude flag (``magnitude_bits=1``) a step takes
 flag compares |M| with the *new* factors, which need every row first.
 
 Read top to bottom: :mod:`.structs` (the kernels' named arguments), :mod:`.elements` (the math of
-one element and of a run of them), :mod:`.access` (bf16 rows, packed bits, prefetches),
-:mod:`.passes` (a block's pass, the whole step, the launches of many tensors), :mod:`.host`
-(torch tensors in, which launch), :mod:`.cache` (compiled once per machine: a fresh process loads
-the kernels instead of spending seconds of LLVM and ~100 MiB of RSS on its first step).
+one element and of a run of them), :mod:`.access` (bf16 rows, packed bits, prefetches), :mod:`.rows` (a
+block of rows walked in tiles, the factors finished from the blocks' sums), a module per code of M with its pass,
+its step and its kernels (:mod:`.sign`, the paper's code and its natural shape; :mod:`.none`; :mod:`.flag`;
+:mod:`.levels`), :mod:`.launches` (many small and mid-sized tensors in one launch), :mod:`.host` (torch tensors in,
+which launch), :mod:`.cache` (compiled once per machine: a fresh process loads the kernels instead of spending
+seconds of LLVM and ~100 MiB of RSS on its first step).
 """
 
 from __future__ import annotations

@@ -55,9 +55,9 @@ def load(src, start, length, buf):
     raise NotImplementedError("compiled only")
 
 
-def store(dst, start, row, sr, noise_base):
+def store(dst, start, row, stochastic, noise_base):
     """Write a loaded row back: nothing for fp32/fp64 (it lives in ``dst``); bf16 rounds to
-    nearest even, or stochastically with ``sr``: element j adds the top 16 bits of
+    nearest even, or stochastically with ``stochastic``: element j adds the top 16 bits of
     :func:`hash32_at` (``noise_base``, j) below its kept bits (``noise_base``: the tensor's key at this
     step, :func:`smmf.levels.rounding_key`, plus the row's first index in the param, so that no two elements
     of a tensor's step share it, a shard's included, and every path draws the same noise)."""
@@ -108,22 +108,22 @@ def _overload_load(src, start, length, buf):
 
 
 @overload(store, inline="always")
-def _overload_store(dst, start, row, sr, noise_base):
+def _overload_store(dst, start, row, stochastic, noise_base):
     if dst.dtype == types.int16:
-        def store_bf16(dst, start, row, sr, noise_base):
+        def store_bf16(dst, start, row, stochastic, noise_base):
             bits = row.view(np.uint32)
             for j in range(bits.shape[0]):
                 u = bits[j]
                 if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
                     u = u | np.uint32(0x00400000)  # NaN stays NaN: the quiet bit survives truncation
-                elif sr:
+                elif stochastic:
                     u = u + (hash32_at(noise_base, j) >> np.uint32(16))  # stochastic rounding
                 else:
                     u = nearest_even(u)
                 dst[start + j] = bf16_bits(u)
 
         return store_bf16
-    return lambda dst, start, row, sr, noise_base: None
+    return lambda dst, start, row, stochastic, noise_base: None
 
 
 

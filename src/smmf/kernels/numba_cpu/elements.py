@@ -66,14 +66,14 @@ def momentum_element(w, g, nonneg, col_m, col_v, rm, rv, sc, keep_bad, zero):
 
 
 @numba.njit(**_MATH)
-def run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc, zero_bad):
+def run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc, zero_nonfinite):
     """One run; ``nonneg`` holds its stored sign bits as 0/1 and gets the new ones. Returns the run's
     capped sums of |M| and V and the NaN/inf elements met."""
     zero = sc.beta2 - sc.beta2
     sum_m = zero
     sum_v = zero
     any_bad = False
-    keep_bad = not zero_bad
+    keep_bad = not zero_nonfinite
     for j in range(wrow.shape[0]):
         wrow[j], nonneg[j], a, vs, finite = momentum_element(wrow[j], grow[j], nonneg[j], col_m[j], col_v[j], rm, rv,
                                                              sc, keep_bad, zero)
@@ -87,7 +87,7 @@ def run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc
 
 @numba.njit(**_MATH)
 def run_pair_with_momentum(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m, acc_v, rm0, rv0, rm1, rv1, sc,
-                           zero_bad):
+                           zero_nonfinite):
     """Two rows' runs over the same columns of M's and V's view: :func:`run_with_momentum` of each, in
     one loop that loads each column factor and reads and writes each column sum once for both. Returns
     each row's sums of |M| and V, and the NaN/inf elements met in both."""
@@ -97,7 +97,7 @@ def run_pair_with_momentum(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m
     sum_m1 = zero
     sum_v1 = zero
     any_bad = False
-    keep_bad = not zero_bad
+    keep_bad = not zero_nonfinite
     for j in range(w0.shape[0]):
         cm, cv = col_m[j], col_v[j]
         w0[j], nonneg0[j], a0, vs0, finite0 = momentum_element(w0[j], g0[j], nonneg0[j], cm, cv, rm0, rv0, sc,
@@ -116,12 +116,12 @@ def run_pair_with_momentum(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m
 
 
 @numba.njit(**_MATH)
-def run_without_momentum(wrow, grow, col_v, acc_v, rv, sc, zero_bad):
+def run_without_momentum(wrow, grow, col_v, acc_v, rv, sc, zero_nonfinite):
     lr, eps, cap = sc.lr, sc.eps, sc.cap
     zero = sc.beta2 - sc.beta2
     sum_v = zero
     any_bad = False
-    keep_bad = not zero_bad
+    keep_bad = not zero_nonfinite
     for j in range(wrow.shape[0]):
         wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
         any_bad |= not finite
@@ -153,13 +153,13 @@ def flag_fit(mj, estimate, cap, zero):
 
 
 @numba.njit(**_MATH)
-def flag_run_sums(wrow, grow, nonneg, above, col_m, acc_m, high_coef, low_coef, sc, zero_bad):
+def flag_run_sums(wrow, grow, nonneg, above, col_m, acc_m, high_coef, low_coef, sc, zero_nonfinite):
     """First pass over a run of one M row, with L2 decay (it only reads): the capped |M| into
     ``acc_m`` and the returned row sum. ``wrow`` is only read for L2 decay (``sc.l2 != 0``)."""
     rest1, gsign, shrink, l2, big, cap = sc.rest1, sc.gsign, sc.shrink, sc.l2, sc.big, sc.cap
     zero = rest1 - rest1
     sum_m = zero
-    keep_bad = not zero_bad
+    keep_bad = not zero_nonfinite
     signed_rest1 = rest1 * gsign  # gsign is ±1: (1 − β1)·gsign·G to the bit
     for j in range(grow.shape[0]):
         gj = grow[j]
@@ -172,7 +172,7 @@ def flag_run_sums(wrow, grow, nonneg, above, col_m, acc_m, high_coef, low_coef, 
 
 
 @numba.njit(**_MATH)
-def flag_run_update(wrow, grow, nonneg, above, col_m, acc_m, col_v, acc_v, high_coef, low_coef, rv, sc, zero_bad):
+def flag_run_update(wrow, grow, nonneg, above, col_m, acc_m, col_v, acc_v, high_coef, low_coef, rv, sc, zero_nonfinite):
     """First pass without L2 decay, over a run of one M row: the weights from this step's M
     (decoded from the stored code, whose bits are only read), the capped |M| and V into
     ``acc_m``/``acc_v``; returns |M|'s and V's row sums and the NaN/inf elements met."""
@@ -181,7 +181,7 @@ def flag_run_update(wrow, grow, nonneg, above, col_m, acc_m, col_v, acc_v, high_
     sum_m = zero
     sum_v = zero
     any_bad = False
-    keep_bad = not zero_bad
+    keep_bad = not zero_nonfinite
     for j in range(wrow.shape[0]):
         wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
         any_bad |= not finite
@@ -197,7 +197,7 @@ def flag_run_update(wrow, grow, nonneg, above, col_m, acc_m, col_v, acc_v, high_
 
 
 @numba.njit(**_MATH)
-def flag_run_encode(grow, nonneg, above, col_m, new_col_m, high_coef, low_coef, new_rm, fits, sc, zero_bad):
+def flag_run_encode(grow, nonneg, above, col_m, new_col_m, high_coef, low_coef, new_rm, fits, sc, zero_nonfinite):
     """Second pass without L2 decay, over a run of one M row: this step's M formed again (as
     :func:`flag_run_update` forms it), its new sign and flag bits (0/1 in ``nonneg``/``above``) and
     the flag's least-squares sums (:func:`flag_fit`) added into ``fits``. Reads only the gradient."""
@@ -207,7 +207,7 @@ def flag_run_encode(grow, nonneg, above, col_m, new_col_m, high_coef, low_coef, 
     energy_high = zero
     fit_low = zero
     energy_low = zero
-    keep_bad = not zero_bad
+    keep_bad = not zero_nonfinite
     signed_rest1 = rest1 * sc.gsign
     for j in range(grow.shape[0]):
         gj = grow[j]
@@ -226,7 +226,7 @@ def flag_run_encode(grow, nonneg, above, col_m, new_col_m, high_coef, low_coef, 
 
 @numba.njit(**_MATH)
 def flag_run_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, high_coef, low_coef, new_rm, rv, fits,
-                   sc, zero_bad):
+                   sc, zero_nonfinite):
     """Second pass with L2 decay (M needs the weights before the step), over a run of one M row:
     :func:`flag_run_encode` and the weights and V of :func:`flag_run_update` in one loop; returns
     V's row sum and the NaN/inf elements met."""
@@ -238,7 +238,7 @@ def flag_run_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, hi
     fit_low = zero
     energy_low = zero
     any_bad = False
-    keep_bad = not zero_bad
+    keep_bad = not zero_nonfinite
     for j in range(wrow.shape[0]):
         wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
         any_bad |= not finite

@@ -3,6 +3,7 @@ and which launch a tensor takes."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -16,12 +17,20 @@ from torch import Tensor
 from ...functional import StepConfig
 from ...matrix import factor_sum_cap, square_matricize_shape
 from ...levels import BLOCK, levels_rows_cols, levels_shape
-from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
-                      momentum_cols, real_view)
+from ...state import (CODES_M, COL_M, COL_V, ROW_M, ROW_V, SCALES_M, MomentumCode, matrix_shape, momentum_cols, real_view)
+from ...schema import SCHEMA
 from ..contract import FlagPass, LevelsEnds, StepItem
+from . import flag, none, sign
+from .launches import ADDRESS, many_blocks_kernel, many_kernel
 from .levels import LEVELS_KERNELS, level_table, levels_piece_ends_kernel, levels_piece_kernel, touched_v_rows
-from .passes import FLAG_KERNELS, KERNELS, m_rows_touched, many_blocks_kernel, many_kernel
-from .structs import FlagArrays, FlagPasses, Geometry, LevelsGeometry, Moments, Options, PieceGeometry, Scalars, Scratch
+from .rows import m_rows_touched
+from .structs import FlagPasses, Geometry, LevelsGeometry, Options, PieceGeometry, Scalars
+
+# Each code's kernels over a tensor (or a shard of one; the levels code's: LEVELS_KERNELS), by whether they run in
+# parallel. Each takes the weight, the gradient and its state's arrays in the schema's order (smmf.schema.SCHEMA).
+KERNELS = {MomentumCode.SIGN: {True: sign.kernel_parallel, False: sign.kernel_serial},
+           MomentumCode.NONE: {True: none.kernel_parallel, False: none.kernel_serial},
+           MomentumCode.FLAG: {True: flag.kernel_parallel, False: flag.kernel_serial}}
 
 # numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
 # process when two threads enter parallel regions at once: parallel launches take turns. Each
@@ -94,12 +103,16 @@ def _work_scalar(dtype: torch.dtype) -> type:
 
 @functools.lru_cache(maxsize=64)
 def _group_numbers(cfg: StepConfig, dtype: torch.dtype) -> tuple[float, ...]:
-    """The :class:`Scalars` before ``cap`` as Python floats: the same for every tensor of a group at a
-    step, so made once (per launch they cost as much as the rest of the host side)."""
-    beta1 = 0.0 if cfg.beta1 is None else cfg.beta1
-    rest1 = 0.0 if cfg.beta1 is None else 1.0 - cfg.beta1
-    gsign, shrink, l2 = cfg.folded()
-    return (cfg.lr, beta1, rest1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2, float(torch.finfo(dtype).max))
+    """:meth:`StepConfig.numbers`: the same for every tensor of a group at a step, so made once (per launch
+    they cost as much as the rest of the host side)."""
+    return cfg.numbers(dtype)
+
+
+def options(cfg: StepConfig, dtype: torch.dtype, whole: bool, rounds: bool = True) -> Options:
+    """The step's :class:`Options` for weights of ``dtype``; ``rounds``: this call writes the weights (a flag
+    shard's other pass only reads them)."""
+    return Options(stochastic_rounding=cfg.stochastic_rounding, zero_nonfinite=cfg.zero_nonfinite, whole=whole,
+                   rounding_key=(cfg.rounding_key_for(dtype) or 0) if rounds else 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,53 +139,39 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     rows_per_block, blocks = block_layout(row_end - row0, cols)
     if (row0 * cols - lo) % 8:  # a shard starting mid-byte of a row: one block, so no two threads share a byte
         rows_per_block, blocks = row_end - row0, 1
-    has_m = cfg.beta1 is not None
     dtype = state[ROW_V].dtype
     scalar = _work_scalar(dtype)
     m_cols = momentum_cols(state, cols)
-    empty: np.ndarray = np.empty(0, dtype=scalar)
-    scratch = Scratch(
-        col_acc_m=np.empty((blocks, m_cols if has_m else 0), dtype=scalar),
-        col_acc_v=np.empty((blocks, cols), dtype=scalar),
-        row_acc_m=np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols) if has_m else 0), dtype=scalar),
-        bad_counts=np.zeros(blocks, dtype=np.int64))
-    moments = Moments(
-        signs=state[SIGN_M].numpy() if has_m else np.empty(0, dtype=np.uint8),
-        row_m=state[ROW_M].numpy() if has_m else empty, col_m=state[COL_M].numpy() if has_m else empty,
-        row_v=state[ROW_V].numpy(), col_v=state[COL_V].numpy())
     geo = Geometry(n=rows, m=cols, m_cols=m_cols, row0=row0, rows_per_block=rows_per_block, lo=lo, hi=hi)
     writes = flag_pass is None or flag_pass.number == updating_flag_pass(cfg)  # a flag shard's other pass reads
-    opts = Options(has_m=has_m, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole,
-                   sr_seed=(cfg.rounding_key_for(weight.dtype) or 0) if writes else 0)
-    sc = scalars(cfg, rows * cols, dtype)
-    w, g = _as_numpy(weight), _as_numpy(grad)
+    opts = options(cfg, weight.dtype, whole, rounds=writes)
     parallel = hi - lo >= PARALLEL_MIN_NUMEL
-    flag: Optional[FlagArrays] = None
+    state_arrays = tuple(state[field.key].numpy() for field in SCHEMA[cfg.code])
+    col_acc_v: np.ndarray = np.empty((blocks, cols), dtype=scalar)
+    bad_counts = np.zeros(blocks, dtype=np.int64)
     args: tuple[Any, ...]
+    if cfg.code is MomentumCode.NONE:
+        args = (col_acc_v, bad_counts, geo, opts)
+    else:
+        m_scratch: tuple[np.ndarray, ...] = (np.empty((blocks, m_cols), dtype=scalar), col_acc_v,
+                     np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols)), dtype=scalar))
+        args = (*m_scratch, bad_counts, geo, opts)
     if cfg.code is MomentumCode.FLAG:
         if flag_pass is None:
             assert whole, "a shard under the magnitude flag takes numba_flag_shard_pass_"
             passes = FlagPasses(0, 2)
-            new_row_m, new_col_m = np.empty_like(moments.row_m), np.empty_like(moments.col_m)
+            new_m = (np.empty_like(state[ROW_M].numpy()), np.empty_like(state[COL_M].numpy()))
         else:
             passes = FlagPasses(flag_pass.number, flag_pass.number + 1)
-            new_row_m, new_col_m = flag_pass.new_row_m.numpy(), flag_pass.new_col_m.numpy()
-        flag = FlagArrays(flags=state[FLAG_M].numpy(), new_row_m=new_row_m, new_col_m=new_col_m,
-                          levels=state[LEVELS_M].numpy(), fits=np.empty((blocks, 4), dtype=scalar))
-        kernel = FLAG_KERNELS[parallel]
-        args = (w, g, moments.signs, flag.flags, moments.row_m, moments.col_m, flag.new_row_m, flag.new_col_m,
-                flag.levels, moments.row_v, moments.col_v, *scratch[:3], flag.fits, scratch.bad_counts, geo, passes,
-                opts, sc)
-    else:
-        kernel, args = KERNELS[parallel], (w, g, *moments, *scratch, geo, opts, sc)
-    if parallel:
-        with PARALLEL_LAUNCH:
-            kernel(*args)
-    else:
-        kernel(*args)
-    if flag is not None and flag_pass is not None and flag_pass.number == 1:
-        flag_pass.level_sums.copy_(torch.from_numpy(flag.fits.sum(axis=0)))
-    return sum(scratch.bad_counts.tolist()) if cfg.zero_nonfinite else 0
+            new_m = (flag_pass.new_row_m.numpy(), flag_pass.new_col_m.numpy())
+        fits: np.ndarray = np.empty((blocks, 4), dtype=scalar)
+        args = (*new_m, *m_scratch, fits, bad_counts, geo, passes, opts)
+    kernel = KERNELS[cfg.code][parallel]
+    with PARALLEL_LAUNCH if parallel else contextlib.nullcontext():
+        kernel(_as_numpy(weight), _as_numpy(grad), *state_arrays, *args, scalars(cfg, rows * cols, dtype))
+    if cfg.code is MomentumCode.FLAG and flag_pass is not None and flag_pass.number == 1:
+        flag_pass.level_sums.copy_(torch.from_numpy(fits.sum(axis=0)))
+    return sum(bad_counts.tolist()) if cfg.zero_nonfinite else 0
 
 
 def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, lo: int = 0,
@@ -191,8 +190,7 @@ def launch_levels(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
     scalar = _work_scalar(dtype)
     geo = LevelsGeometry(n=n, m=m, rows=rows, cols=cols, lo=lo, rows_per_block=rows_per_block,
                          dither=cfg.levels_salt is not None, salt=cfg.levels_salt or 0)
-    opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=whole,
-                   sr_seed=cfg.rounding_key_for(weight.dtype) or 0)
+    opts = options(cfg, weight.dtype, whole)
     sc = scalars(cfg, n * m, dtype)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     args = (_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(), state[SCALES_M].view(torch.int16).numpy(),
@@ -223,8 +221,7 @@ def levels_piece_pass(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: 
     scalar = _work_scalar(dtype)
     ends = LevelsEnds(torch.zeros(2, BLOCK, dtype=dtype), torch.zeros(2, dtype=dtype))
     bad = np.zeros(1, dtype=np.int64)
-    opts = Options(has_m=True, sr=cfg.stochastic_rounding, zero_bad=cfg.zero_nonfinite, whole=False,
-                   sr_seed=cfg.rounding_key_for(weight.dtype) or 0)
+    opts = options(cfg, weight.dtype, False)
     v_rows = (geo.hi - 1) // geo.m - geo.lo // geo.m + 1
     levels_piece_kernel(_as_numpy(weight), _as_numpy(grad), state[CODES_M].numpy(),
                         state[SCALES_M].view(torch.int16).numpy(), level_table(scalar), state[ROW_V].numpy(),
@@ -285,8 +282,8 @@ def takes_blocks(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
 
 class _SharedTables:
     """The rows of a shared launch's tables (:func:`many_kernel`'s, :func:`many_blocks_kernel`'s), one
-    tensor at a time: per tensor the data addresses of (w, g, signs, row_m, col_m, row_v, col_v), 0 for
-    M's arrays without M; its :class:`Scalars`; (has_m, zero_bad). A tensor's view and cap come from a
+    tensor at a time: per tensor the data addresses of the weight, the gradient and the paper's code's state
+    (:data:`~.launches.ADDRESS`; 0 for the arrays a code lacks); its :class:`Scalars`; (has_m, zero_nonfinite). A tensor's view and cap come from a
     cache by size, and a config's numbers and flags are made once per launch: per tensor and step the
     host reads its addresses and a few cached lookups (ResNet-50 has 151 tensors in these launches)."""
 
@@ -301,19 +298,14 @@ class _SharedTables:
         rows, cols, cap = _fp32_geometry(param.numel())
         grad = grad.contiguous()
         self.alive.append(grad)
-        if cfg.beta1 is None:
-            self.addresses.append((param.data_ptr(), grad.data_ptr(), 0, 0, 0, state[ROW_V].data_ptr(),
-                                   state[COL_V].data_ptr()))
-            m_cols = cols
-        else:
-            col_m = state[COL_M]
-            self.addresses.append((param.data_ptr(), grad.data_ptr(), state[SIGN_M].data_ptr(),
-                                   state[ROW_M].data_ptr(), col_m.data_ptr(), state[ROW_V].data_ptr(),
-                                   state[COL_V].data_ptr()))
-            m_cols = col_m.numel()
+        addresses = [param.data_ptr(), grad.data_ptr(), *[0] * len(ADDRESS)]
+        for key, at in ADDRESS.items():  # the paper's code's state; the fields a code lacks stay 0
+            if key in state:
+                addresses[at] = state[key].data_ptr()
+        self.addresses.append(tuple(addresses))
         self.caps.append(cap)
         self.configs.append(cfg)
-        return rows, cols, m_cols
+        return rows, cols, state[COL_M].numel() if COL_M in state else cols
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The addresses, scalars and flags tables. The tensors of a param group share one config at a

@@ -26,7 +26,7 @@ from numba.extending import intrinsic, overload
 from .access import bf16_bits, hashed_i32, load, nearest_even, store
 from .cache import FASTMATH, KERNEL_OPTIONS, cached_njit
 from .elements import capped, count_bad, element
-from .passes import _finish_cols
+from .rows import finish_cols
 
 _PASS: dict[str, Any] = dict(error_model="numpy", fastmath=FASTMATH)
 
@@ -133,7 +133,7 @@ def pack_codes(codes_row, c0, width, cbuf):
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _run_step(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_bad):
+def _run_step(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_nonfinite):
     """Pass one over a run of a block that stays in one row of V's view (its row factor ``rv``, its column
     factors and sums ``col_v``/``acc_v`` from the run's first column; its stored signed levels ``lrun``, a
     level being worth ``step`` = scale·⅐): this step's M into ``mrun``, the weight stepped with it and V, V's
@@ -142,7 +142,7 @@ def _run_step(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_bad):
     vectorizing the loop: 2.4× slower.)"""
     lr, beta1, rest1, eps, cap = sc.lr, sc.beta1, sc.rest1, sc.eps, sc.cap
     zero = sc.beta2 - sc.beta2
-    keep_bad = not zero_bad
+    keep_bad = not zero_nonfinite
     sum_v = zero
     any_bad = False
     for j in range(wrun.shape[0]):
@@ -158,7 +158,7 @@ def _run_step(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_bad):
 
 
 @numba.njit(**dict(_PASS, inline="always"))
-def _block_step(wseg, gseg, lbuf, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, sc, zero_bad):
+def _block_step(wseg, gseg, lbuf, scale, table, col_v, row_v, acc_v, vsums, v_row0, start, mbuf, sc, zero_nonfinite):
     """Pass one over a block (elements ``start ..`` of the flattening; its stored codes as signed levels in
     ``lbuf``), in
     runs along rows of V's view (:func:`_run_step`); V's row sums into ``vsums`` (from V row ``v_row0``).
@@ -172,7 +172,7 @@ def _block_step(wseg, gseg, lbuf, scale, table, col_v, row_v, acc_v, vsums, v_ro
         end = min(wseg.shape[0], k + m - jv)
         run_v, finite = _run_step(
             wseg[k:end], gseg[k:end], lbuf[k:end], scale * table[_SEVENTH], col_v[jv : jv + end - k], row_v[i],
-            acc_v[jv : jv + end - k], mbuf[k:end], sc, zero_bad)
+            acc_v[jv : jv + end - k], mbuf[k:end], sc, zero_nonfinite)
         vsums[i - v_row0] += run_v
         all_finite &= finite
         k = end
@@ -233,14 +233,14 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
                 unpack_codes(codes[r], c0, width, lbuf, one)
                 top, all_finite = _block_step(
                     wseg, gseg, lbuf, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v,
-                    vsums, v_row0, geo.lo + start, mbuf[:width], sc, opts.zero_bad)
+                    vsums, v_row0, geo.lo + start, mbuf[:width], sc, opts.zero_nonfinite)
                 if not all_finite:
                     bad += count_bad(gseg, sc.big)
                 stored = scale_bits(top)
                 scales[r, c0 // BLOCK] = stored
                 _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width], geo.lo + start, geo)
                 pack_codes(codes[r], c0, width, cbuf)
-                store(w, start, wseg, opts.sr, opts.sr_seed + geo.lo + start)
+                store(w, start, wseg, opts.stochastic_rounding, opts.rounding_key + geo.lo + start)
         bad_counts[b] = bad
     # V's new factors from the blocks' sums (the old ones were read until here); a shard's raw sums.
     row_v[:] = 0
@@ -249,7 +249,7 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
         for k in range(row_acc_v.shape[1]):
             if v_row0 + k < geo.n:
                 row_v[v_row0 + k] += row_acc_v[b, k]
-    _finish_cols(row_v, col_v, col_acc_v, opts.whole)
+    finish_cols(row_v, col_v, col_acc_v, opts.whole)
 
 
 # Arrays, then LevelsGeometry, Options, Scalars.
@@ -336,7 +336,7 @@ def _levels_piece_step(w, g, codes, scales, table, row_v, col_v, acc_v, vsums, e
         gseg = load(g, k, width, gbuf)
         unpack_nibbles(codes, k, width, lbuf, one)
         top, all_finite = _block_step(wseg, gseg, lbuf, scale_value(scales[b - first], one), table, col_v, row_v,
-                                      acc_v, vsums, v_row0, start, mbuf[:width], sc, opts.zero_bad)
+                                      acc_v, vsums, v_row0, start, mbuf[:width], sc, opts.zero_nonfinite)
         if not all_finite:
             bad += count_bad(gseg, sc.big)
         if b == first or b == last:
@@ -350,7 +350,7 @@ def _levels_piece_step(w, g, codes, scales, table, row_v, col_v, acc_v, vsums, e
             scales[b - first] = stored
             _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width], start, geo)
             pack_nibbles(codes, k, width, cbuf)
-        store(w, k, wseg, opts.sr, opts.sr_seed + start)
+        store(w, k, wseg, opts.stochastic_rounding, opts.rounding_key + start)
     bad_counts[0] = bad
     row_v[:] = 0
     for k in range(vsums.shape[0]):

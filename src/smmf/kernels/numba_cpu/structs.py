@@ -1,33 +1,42 @@
-"""The named arguments of the numba kernels, defined once: a field is added here and read by name.
+"""The named arguments of the numba kernels, defined once: a field is added here (or in the step schema) and
+read by name.
 
-Arrays travel in :class:`Moments`, :class:`Scratch` and :class:`FlagArrays`; numbers in
-:class:`Scalars` (floats in the work dtype), :class:`Geometry` (ints) and :class:`Options` (bools, and the
-tensor's key of its stochastic rounding noise).
-Only the numbers cross into the compiled kernels as tuples: numba (0.68) loses some writes to
-arrays held in a tuple (any made inside a ``prange`` body, and a slice assignment from another
-array), so the host builds the array tuples and the kernels take their fields one by one, in the
-tuples' order (``host.launch`` splats them).
+Numbers travel in :class:`Scalars` (floats in the work dtype) and :class:`Options` (bools, and the tensor's key of
+its stochastic rounding noise), both named by the step schema (:mod:`smmf.schema`), and in :class:`Geometry` and
+its kin (ints). Arrays never travel in a tuple: numba (0.68) loses some writes to arrays held in one (any made
+inside a ``prange`` body, and a slice assignment from another array), so each kernel takes the weight, the
+gradient, its code's state arrays in the schema's order and its scratch one by one (``host.launch`` splats them).
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Any, NamedTuple
 
+import numba
 
-class Scalars(NamedTuple):
-    """The step's numbers in the work dtype (float32, or float64 for fp64 params); :func:`scalars`."""
+from ...schema import STEP_NUMBERS, STEP_OPTIONS
 
-    lr: Any
-    beta1: Any  # β1_t of this step (0 without a first moment)
-    rest1: Any  # 1 − β1_t, rounded once from float64 as on the torch path: opaque to LLVM, which
-    beta2: Any  # would otherwise rewrite β·a + (1 − β)·b as b + β·(a − b), NaN when b is inf
-    rest2: Any  # 1 − β2_t
-    eps: Any
-    gsign: Any  # −1 to maximize, else 1 (StepConfig.folded)
-    shrink: Any  # decoupled weight decay's factor 1 − lr·wd
-    l2: Any  # coupled (L2) weight decay's coefficient
-    big: Any  # the work dtype's largest finite value: |g| above it is NaN/inf
-    cap: Any  # what one element may add to a factor sum (smmf.matrix.factor_sum_cap)
+
+# The step's numbers in the work dtype (float32, or float64 for fp64 params) and its options, named by the step
+# schema (smmf.schema.STEP_NUMBERS, STEP_OPTIONS; host.scalars and host.options make them).
+def _named(name: str, fields: tuple[str, ...]) -> Any:
+    return namedtuple(name, fields)
+
+
+Scalars = _named("Scalars", STEP_NUMBERS)
+Options = _named("Options", STEP_OPTIONS)
+
+
+def _row_reader(cls: Any) -> Any:
+    """An inlined numba function that makes ``cls`` (a named tuple of numbers) from a row of an array, field by
+    field, written from its fields: the launches of many tensors keep each tensor's numbers in a table's row."""
+    namespace = {"cls": cls}
+    exec(f"def read(row):\n    return cls({', '.join(f'row[{i}]' for i in range(len(cls._fields)))})\n", namespace)
+    return numba.njit(inline="always")(namespace["read"])
+
+
+scalars_of = _row_reader(Scalars)
 
 
 class Geometry(NamedTuple):
@@ -72,47 +81,6 @@ class PieceGeometry(NamedTuple):
     hi: int
     dither: bool
     salt: int
-
-
-class Options(NamedTuple):
-    has_m: bool  # a first moment (beta is set)
-    sr: bool  # stochastic rounding of bf16 weights
-    zero_bad: bool  # NaN/inf gradient elements count as 0 (and are counted)
-    whole: bool  # the whole matrix: normalize the factors here (else leave this piece's raw sums)
-    sr_seed: int  # under sr, the tensor's key of the rounding noise at this step (StepConfig.rounding_key)
-
-
-class Moments(NamedTuple):
-    """The state, flat: the sign bits of M (uint8, bit k%8 of byte k//8 for element lo + k: the layout
-    of :func:`smmf.matrix.pack_signs`), the factors of |M| in M's view and of V (work dtype)."""
-
-    signs: Any
-    row_m: Any
-    col_m: Any
-    row_v: Any
-    col_v: Any
-
-
-class Scratch(NamedTuple):
-    """Per block of rows (work dtype): its column sums of |M| (blocks × m_cols) and of V (blocks × m),
-    its sums of the rows of M's view it touches (blocks × :func:`m_rows_touched`), and the NaN/inf
-    gradient elements it met (int64, blocks)."""
-
-    col_acc_m: Any
-    col_acc_v: Any
-    row_acc_m: Any
-    bad_counts: Any
-
-
-class FlagArrays(NamedTuple):
-    """The magnitude flag's: its bits (uint8, laid out as the signs), the new factors of |M| (as
-    ``row_m``/``col_m``), its levels (high, low) and each block's four level sums (blocks × 4)."""
-
-    flags: Any
-    new_row_m: Any
-    new_col_m: Any
-    levels: Any
-    fits: Any
 
 
 class FlagPasses(NamedTuple):

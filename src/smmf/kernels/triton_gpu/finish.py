@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .table import (
     META_COLUMNS,
-    T_SIGNS,
+    T_SIGN_M,
     T_ROW_M,
     T_COL_M,
     T_ROW_V,
@@ -26,8 +26,8 @@ from .table import (
     T_M_TILES,
     T_M_BANDS,
     T_M_PARTIAL_AT,
-    T_FLAGS,
-    T_LEVELS,
+    T_FLAG_M,
+    T_LEVELS_M,
     T_NEW_M_AT,
     T_LEVEL_SUMS_AT,
     T_FLAG_WORDS_AT,
@@ -100,10 +100,10 @@ def finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.
                      mask=c0 + tl.arange(0, BLOCK) < m)
     elif (m % 8 != 0) | (lo % 8 != 0):
         nbytes = (hi - lo + 7) // 8
-        copy_bytes(tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + T_WORDS_AT), nbytes,
+        copy_bytes(tl.load(row + T_SIGN_M).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + T_WORDS_AT), nbytes,
                     j - MOMENTS, COPIERS, COPY_BLOCK)
         if FLAG:
-            copy_bytes(tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + T_FLAG_WORDS_AT), nbytes,
+            copy_bytes(tl.load(row + T_FLAG_M).to(tl.pointer_type(tl.uint8)), words_ptr + tl.load(row + T_FLAG_WORDS_AT), nbytes,
                         j - MOMENTS, COPIERS, COPY_BLOCK)
 
 
@@ -137,4 +137,4 @@ def flag_finish_kernel(meta_ptr, partial_ptr, BLOCK: tl.constexpr):
     fit = tl.sum(tl.where(kind == 0, by_level, 0.0), axis=1)
     energy = tl.sum(tl.where(kind == 1, by_level, 0.0), axis=1)
     levels = tl.where(energy > 0, tl.math.div_rn(fit, tl.where(energy > 0, energy, 1.0)), 0.0)
-    tl.store(tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32)) + tl.arange(0, 2), levels)
+    tl.store(tl.load(row + T_LEVELS_M).to(tl.pointer_type(tl.float32)) + tl.arange(0, 2), levels)

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from ...functional import StepConfig
 from ...levels import levels_rows_cols
-from ...state import (CODES_M, COL_M, COL_V, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SIGN_M, MomentumCode, matrix_shape,
-                      momentum_cols, real_view)
+from ...state import (CODES_M, COL_M, COL_V, ROW_M, ROW_V, MomentumCode, matrix_shape, momentum_cols, real_view)
+from ...schema import FACTORED_FIELDS
 from ..contract import FlagPass, StepItem
 from .finish import finish_kernel, flag_finish_kernel
 from .levels import BLOCKS_PER_PROGRAM, LAUNCH_OPTIONS, STEP_WARPS, levels_step_kernel, v_sums_kernel
@@ -238,17 +238,7 @@ def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]],
     device = tensors[0][0].device
     geometry, item_tensor, sums_items, partial_numel, words_numel = layout(spans, has_m, device, tables.BLOCK_COLS,
                                                                            tables.BAND_ROWS)
-    table = []
-    for (weight, g, state), geo in zip(tensors, geometry):
-        row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
-        if has_m:  # (``signs`` first: the table's fields in order)
-            signs, row_m, col_m = state[SIGN_M].data_ptr(), state[ROW_M].data_ptr(), state[COL_M].data_ptr()
-        else:
-            signs, row_m, col_m = 0, row_v, col_v
-        flags, levels = (state[FLAG_M].data_ptr(), state[LEVELS_M].data_ptr()) if flag else (0, 0)
-        row = dict(geo, w=weight.data_ptr(), g=g.data_ptr(), signs=signs, row_m=row_m, col_m=col_m, row_v=row_v,
-                   col_v=col_v, flags=flags, levels=levels)
-        table += [row[field] for field in TABLE_FIELDS]
+    table = [column for (weight, g, state), geo in zip(tensors, geometry) for column in _table_row(weight, g, state, geo)]
     return _Group(_on_device(table, len(tensors), device), geometry, item_tensor, sums_items, partial_numel,
                   words_numel, len(tensors), has_m, dtype, stochastic, aligned, vector, normalize, natural, flag,
                   shard=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans), stream=_stream(device))
@@ -257,23 +247,26 @@ def _prepare(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]],
 def _prepare_levels(tensors: list[tuple[Tensor, Tensor, dict[str, Any]]], starts: list[int], dtype: torch.dtype,
                     stochastic: bool, normalize: bool) -> _Group:
     """The table of one group under the block-levels code (:func:`.table.levels_layout`): each weight holds
-    the elements from ``starts[i]`` of its param (0, or an FSDP2 shard's first row), and its codes are in the
-    table's ``signs`` field, its scales in ``levels``."""
+    the elements from ``starts[i]`` of its param (0, or an FSDP2 shard's first row), and its codes and scales are in
+    the table's ``codes_m`` and ``scales_m`` columns."""
     device = tensors[0][0].device
     spans = tuple((*_v_shape(state), lo, lo + weight.numel(), *levels_rows_cols(state[CODES_M], weight.numel()))
                   for (weight, _, state), lo in zip(tensors, starts))
     geometry, v_items, step_items, partial_numel, _ = levels_layout(spans, device, tables.BLOCK_COLS, tables.BAND_ROWS,
                                                                     BLOCKS_PER_PROGRAM)
-    table = []
-    for (weight, g, state), geo in zip(tensors, geometry):
-        row_v, col_v = state[ROW_V].data_ptr(), state[COL_V].data_ptr()
-        row = dict(geo, w=weight.data_ptr(), g=g.data_ptr(), signs=state[CODES_M].data_ptr(), row_m=row_v, col_m=col_v,
-                   row_v=row_v, col_v=col_v, flags=0, levels=state[SCALES_M].data_ptr())
-        table += [row[field] for field in TABLE_FIELDS]
+    table = [column for (weight, g, state), geo in zip(tensors, geometry) for column in _table_row(weight, g, state, geo)]
     return _Group(_on_device(table, len(tensors), device), geometry, v_items, step_items, partial_numel, 0,
                   len(tensors), True, dtype, stochastic, aligned=True, vector=False, normalize=normalize, natural=False,
                   flag=False, shard=any(lo != 0 or hi != n * m for n, m, lo, hi, *_ in spans), stream=_stream(device),
                   levels=True)
+
+
+def _table_row(weight: Tensor, g: Tensor, state: dict[str, Any], geometry: dict[str, int]) -> list[int]:
+    """A tensor's row of the table: the addresses of its weight, gradient and state's tensors (by the schema's
+    keys; 0 for the fields its code lacks), then its geometry."""
+    row = dict(geometry, w=weight.data_ptr(), g=g.data_ptr(),
+               **{key: state[key].data_ptr() if key in state else 0 for key in FACTORED_FIELDS})
+    return [row[field] for field in TABLE_FIELDS]
 
 
 def _v_shape(state: dict[str, Any]) -> tuple[int, int]:
@@ -340,7 +333,7 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
     if (group.natural or flag) and shard_pass != 1:  # |M|'s sums in M's own view, before the step kernel's writes
         momentum_sums_kernel[(group.sums_items.numel(),)](
             meta, group.sums_items, partial, cfg.beta1, *cfg.folded(), W_DTYPE=_TL_DTYPES[group.dtype],
-            ZERO_BAD=cfg.zero_nonfinite, FLAG=flag, **blocks,
+            ZERO_NONFINITE=cfg.zero_nonfinite, FLAG=flag, **blocks,
         )
     if flag:  # the new factors of |M| in the partial buffer: the step kernel encodes against them
         new_m, m_rows, m_cols = (geometry[0][key] for key in ("new_m_at", "m_rows", "m_cols"))  # (one tensor when a shard)
@@ -362,7 +355,7 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         W_DTYPE=_TL_DTYPES[group.dtype], HAS_M=group.has_m, ALIGNED=group.aligned,
         VECTOR=group.vector and tables.VECTOR_HINTS, SHARD=group.shard, STAGES=tables.PIPELINE_STAGES,
         PREFETCH=tables.PREFETCH,
-        STOCHASTIC=group.stochastic, ZERO_BAD=cfg.zero_nonfinite, NATURAL=group.natural, FLAG=flag, **blocks, **cap,
+        STOCHASTIC_ROUNDING=group.stochastic, ZERO_NONFINITE=cfg.zero_nonfinite, NATURAL=group.natural, FLAG=flag, **blocks, **cap,
     )
     copiers = 0 if group.aligned else tables.COPY_PROGRAMS
     moments = 2 if group.has_m and not flag else 1  # the flag's M is finished already
@@ -387,14 +380,14 @@ def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, sa
     dtype = _TL_DTYPES[group.dtype]
     v_sums_kernel[(group.item_tensor.numel(),)](
         group.meta, group.item_tensor, partial, cfg.beta2, 1.0 - cfg.beta2, gsign, shrink, l2, W_DTYPE=dtype,
-        ZERO_BAD=cfg.zero_nonfinite, BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS,
+        ZERO_NONFINITE=cfg.zero_nonfinite, BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS,
         num_warps=tables.WARPS, **LAUNCH_OPTIONS,
     )
     levels_step_kernel[(group.sums_items.numel(),)](
         group.meta, group.sums_items, group.meta if salts is None else salts, bad, cfg.lr, cfg.beta1,
         1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2,
         group.meta if keys is None else keys, W_DTYPE=dtype,
-        ZERO_BAD=cfg.zero_nonfinite, STOCHASTIC=group.stochastic, DITHER=salts is not None, BLOCKS=BLOCKS_PER_PROGRAM,
+        ZERO_NONFINITE=cfg.zero_nonfinite, STOCHASTIC_ROUNDING=group.stochastic, DITHER=salts is not None, BLOCKS=BLOCKS_PER_PROGRAM,
         num_warps=STEP_WARPS, **LAUNCH_OPTIONS,
     )
     finish_kernel[(group.tensors, 1)](group.meta, partial, bad, COPIERS=1, NORMALIZE=group.normalize, FIRST=0,

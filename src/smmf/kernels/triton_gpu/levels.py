@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from ...levels import BLOCK, DITHER_BITS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
-from .table import (FP32_MAX, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_LEVELS, T_LO, T_M, T_M_COLS, T_M_ROWS, T_M_TILES,
-                    T_PARTIAL_AT, T_SIGNS, T_TILES)
+from .table import (FP32_MAX, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_SCALES_M, T_LO, T_M, T_M_COLS, T_M_ROWS, T_M_TILES,
+                    T_PARTIAL_AT, T_CODES_M, T_TILES)
 from .tiles import bf16_rounded, hash_at, tensor_key, tensor_pointers, v_span, work_item
 
 __all__ = ["BLOCKS_PER_PROGRAM", "LAUNCH_OPTIONS", "STEP_WARPS", "levels_step_kernel", "v_sums_kernel"]
@@ -58,13 +58,13 @@ DITHER_UNIT = tl.constexpr(2.0 ** -DITHER_BITS)
 
 
 @triton.jit
-def prepared_gradient(w, g, gsign, shrink, l2, ZERO_BAD: tl.constexpr):
-    """The decayed weight, G as every path prepares it (maximize, NaN/inf → 0 under ``ZERO_BAD``, then
+def prepared_gradient(w, g, gsign, shrink, l2, ZERO_NONFINITE: tl.constexpr):
+    """The decayed weight, G as every path prepares it (maximize, NaN/inf → 0 under ``ZERO_NONFINITE``, then
     + l2·W as torch's ``add(alpha=l2)``: one FMA), and whether the raw gradient was finite."""
     w = w.to(tl.float32) * shrink
     g = g.to(tl.float32) * gsign
     finite = tl.abs(g) <= FP32_MAX  # False for NaN
-    if ZERO_BAD:
+    if ZERO_NONFINITE:
         g = tl.where(finite, g, 0.0)
     if l2 != 0:
         g = tl.fma(w, l2, g)
@@ -79,7 +79,7 @@ def second_moment(rv, cv, g, beta2, rest2):
 
 @triton.jit
 def v_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta2, rest2, gsign, shrink, l2, W_DTYPE: tl.constexpr,
-                  ZERO_BAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
+                  ZERO_NONFINITE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
     """One work item (a tensor's band of rows × column tile) of V's n×m view, over the rows that hold the
     elements ``lo .. hi`` of the flattening (all of it, or an FSDP2 shard's; ``w``/``g`` hold those, from
     ``lo``): this step's V, each element capped (:func:`smmf.matrix.factor_sum_cap`; NaN stays NaN, as
@@ -104,7 +104,7 @@ def v_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta2, rest2, gsign, s
         ok = row_ok[:, None] & col_ok[None, :] & (offs >= lo) & (offs < hi)
         w = tl.load(w_ptr + (offs - lo), mask=ok, other=0.0)
         g = tl.load(g_ptr + (offs - lo), mask=ok, other=0.0)
-        _, g, _ = prepared_gradient(w, g, gsign, shrink, l2, ZERO_BAD)
+        _, g, _ = prepared_gradient(w, g, gsign, shrink, l2, ZERO_NONFINITE)
         rv = tl.load(row_v_ptr + rows, mask=row_ok, other=0.0)[:, None]
         v = second_moment(rv, cv, g, beta2, rest2)
         v = tl.where(ok, tl.where(v > cap, cap, v), 0.0)
@@ -142,24 +142,24 @@ def encoded_momentum(m, scale, offset):
 
 @triton.jit
 def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1, rest1, beta2, rest2, eps, gsign,
-                       shrink, l2, keys_ptr, W_DTYPE: tl.constexpr, ZERO_BAD: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       shrink, l2, keys_ptr, W_DTYPE: tl.constexpr, ZERO_NONFINITE: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr,
                        DITHER: tl.constexpr, BLOCKS: tl.constexpr):
     """One work item: BLOCKS consecutive blocks of a tensor's M (``T_M_TILES`` blocks to each of its
     ``T_M_ROWS`` rows of ``T_M_COLS`` elements), one per row of a (BLOCKS, 64, 2) tile whose last axis is
     the two codes of a byte (even column, low nibble). The arrays hold the param from element ``lo`` of its
     flattening (0, or an FSDP2 shard's first row): element e sits at ((lo + e) // m, (lo + e) % m) of V's
     view, whose old factors it reads, and draws its dither by lo + e with the tensor's salt (``salts[t]``,
-    under ``DITHER``), and its bf16 rounding noise by lo + e with ``keys[t]`` (under ``STOCHASTIC``). Writes
+    under ``DITHER``), and its bf16 rounding noise by lo + e with ``keys[t]`` (under ``STOCHASTIC_ROUNDING``). Writes
     the codes, the scales and the weights; adds the NaN/inf gradient elements to
-    ``bad`` under ``ZERO_BAD`` (the torch path counts them only then)."""
+    ``bad`` under ``ZERO_NONFINITE`` (the torch path counts them only then)."""
     t, row, blocks_per_row, local, _, _ = work_item(meta_ptr, item_tensor_ptr, T_M_TILES, T_FIRST_SUMS_ITEM)
     cols = tl.load(row + T_M_COLS).to(tl.int32)
     blocks = tl.load(row + T_M_ROWS).to(tl.int32) * blocks_per_row.to(tl.int32)
     m = tl.load(row + T_M)
     lo = tl.load(row + T_LO)
     w_ptr, g_ptr, row_v_ptr, col_v_ptr = tensor_pointers(row, W_DTYPE)
-    codes_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
-    scales_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.bfloat16))
+    codes_ptr = tl.load(row + T_CODES_M).to(tl.pointer_type(tl.uint8))
+    scales_ptr = tl.load(row + T_SCALES_M).to(tl.pointer_type(tl.bfloat16))
 
     block = local.to(tl.int32) * BLOCKS + tl.arange(0, BLOCKS)
     block_ok = block < blocks
@@ -174,7 +174,7 @@ def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1,
 
     w = tl.load(w_ptr + element, mask=ok, other=0.0)
     g = tl.load(g_ptr + element, mask=ok, other=0.0)
-    w, g, finite = prepared_gradient(w, g, gsign, shrink, l2, ZERO_BAD)
+    w, g, finite = prepared_gradient(w, g, gsign, shrink, l2, ZERO_NONFINITE)
     v_row = (lo + element) // m
     v = second_moment(tl.load(row_v_ptr + v_row, mask=ok, other=0.0),
                       tl.load(col_v_ptr + (lo + element - v_row * m), mask=ok, other=0.0), g, beta2, rest2)
@@ -197,8 +197,8 @@ def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1,
     # The weight, with this step's uncompressed M and V: W − lr·M / (√V + ε), as torch's add(alpha=−lr).
     new_w = tl.fma(tl.math.div_rn(mm, tl.sqrt_rn(v) + eps), -lr, w)
     if W_DTYPE == tl.bfloat16:
-        new_w = bf16_rounded(new_w, tensor_key(keys_ptr, t, STOCHASTIC), lo + element, STOCHASTIC)  # by its index in the param
+        new_w = bf16_rounded(new_w, tensor_key(keys_ptr, t, STOCHASTIC_ROUNDING), lo + element, STOCHASTIC_ROUNDING)  # by its index in the param
     tl.store(w_ptr + element, new_w.to(W_DTYPE), mask=ok)
-    if ZERO_BAD:
+    if ZERO_NONFINITE:
         bad = tl.sum(tl.sum(tl.sum((ok & ~finite).to(tl.int32), axis=2), axis=1), axis=0)
         tl.atomic_add(bad_ptr, bad, mask=bad > 0)

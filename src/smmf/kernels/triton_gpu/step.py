@@ -10,7 +10,7 @@ from .table import (
     FP32_MAX,
     T_W,
     T_G,
-    T_SIGNS,
+    T_SIGN_M,
     T_ROW_M,
     T_COL_M,
     T_N,
@@ -26,8 +26,8 @@ from .table import (
     T_M_TILES,
     T_FIRST_SUMS_ITEM,
     T_M_PARTIAL_AT,
-    T_FLAGS,
-    T_LEVELS,
+    T_FLAG_M,
+    T_LEVELS_M,
     T_NEW_M_AT,
     T_LEVEL_SUMS_AT,
     T_FLAG_WORDS_AT,
@@ -86,7 +86,7 @@ def tile_loads(r0, last_row, m, m32, held_lo, held_hi, tile, cols, col_ok, w_ptr
 @triton.jit
 def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, beta1, beta2, eps, gsign, shrink, l2,
                 keys_ptr, W_DTYPE: tl.constexpr, HAS_M: tl.constexpr, ALIGNED: tl.constexpr, VECTOR: tl.constexpr,
-                SHARD: tl.constexpr, STOCHASTIC: tl.constexpr, ZERO_BAD: tl.constexpr, NATURAL: tl.constexpr,
+                SHARD: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr, ZERO_NONFINITE: tl.constexpr, NATURAL: tl.constexpr,
                 FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr, STAGES: tl.constexpr,
                 PREFETCH: tl.constexpr = False):
     """One work item. ``meta`` is the int64 table described in the module docstring; ``partial`` is
@@ -95,8 +95,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     matrix, the bands only the rows that hold elements lo .. hi (``held_lo`` .. ``held_hi``).
     Scalars: ``gsign`` −1 to maximize, ``shrink`` the decoupled decay factor 1 − lr·wd, ``l2`` the
     coupled decay coefficient; ``keys`` each tensor's key of its bf16 stochastic rounding noise
-    (read under ``STOCHASTIC``). ``bad`` counts (a lower bound
-    of) the NaN/inf gradient elements, which count as zero when ``ZERO_BAD``. What one element adds
+    (read under ``STOCHASTIC_ROUNDING``). ``bad`` counts (a lower bound
+    of) the NaN/inf gradient elements, which count as zero when ``ZERO_NONFINITE``. What one element adds
     to a factor sum is capped (``smmf.matrix.factor_sum_cap``), so finite gradients keep the factors
     finite. A tile is held as (BR, BC/8, 8): the last axis is one sign byte, so bits unpack and pack
     without reshaping. ``ALIGNED``: every tensor's m and lo are multiples
@@ -132,7 +132,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
     col_ok = cols < m32
     cv = tl.load(col_v_ptr + cols, mask=col_ok, other=0.0)
     if HAS_M:
-        signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+        signs_ptr = tl.load(row + T_SIGN_M).to(tl.pointer_type(tl.uint8))
         row_m_ptr = tl.load(row + T_ROW_M).to(tl.pointer_type(tl.float32))
         col_m_ptr = tl.load(row + T_COL_M).to(tl.pointer_type(tl.float32))
         if VECTOR:
@@ -142,8 +142,8 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         cm = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0) if not NATURAL else 0.0
         inv_width = 1.0 / natural_width(m_cols, BC).to(tl.float32) if NATURAL else 0.0
         if FLAG:
-            flags_ptr = tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8))
-            levels_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32))
+            flags_ptr = tl.load(row + T_FLAG_M).to(tl.pointer_type(tl.uint8))
+            levels_ptr = tl.load(row + T_LEVELS_M).to(tl.pointer_type(tl.float32))
             high = tl.load(levels_ptr)
             low = tl.load(levels_ptr + 1)
             new_row_m = partial_ptr + tl.load(row + T_NEW_M_AT)  # then the new column factors, from M's row count on
@@ -155,7 +155,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             high = 0.0
             low = 0.0
     else:  # unread: the names of M's state exist in every variant
-        signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+        signs_ptr = tl.load(row + T_SIGN_M).to(tl.pointer_type(tl.uint8))
         flags_ptr = signs_ptr
         row_m_ptr = row_v_ptr
         col_m_ptr = col_v_ptr
@@ -195,7 +195,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
         g = g_raw.to(tl.float32) * gsign
         finite = tl.abs(g) <= FP32_MAX  # False for NaN
         any_bad = any_bad | (ok & ~finite)
-        if ZERO_BAD:
+        if ZERO_NONFINITE:
             g = tl.where(finite, g, 0.0)
         if l2 != 0:  # only L2 decay reads the weight: 0·W would make a NaN or infinite weight a NaN gradient
             g = g + l2 * w
@@ -230,7 +230,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
             u = g / (tl.sqrt(v) + eps)
         new_w = w - lr * u
         if W_DTYPE == tl.bfloat16:
-            new_w = bf16_rounded(new_w, tensor_key(keys_ptr, t, STOCHASTIC), start0 + offs, STOCHASTIC)
+            new_w = bf16_rounded(new_w, tensor_key(keys_ptr, t, STOCHASTIC_ROUNDING), start0 + offs, STOCHASTIC_ROUNDING)
         tl.store(w_ptr + base + offs, new_w.to(W_DTYPE), mask=ok)
     tl.store(part + tiles * n + band * m + cols, tl.sum(acc_v, axis=0, keep_dims=True), mask=col_ok)
     bad = tl.sum(row_sums(any_bad.to(tl.int32)), axis=0)
@@ -247,7 +247,7 @@ def step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr, lr, 
 
 @triton.jit
 def momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, shrink, l2, W_DTYPE: tl.constexpr,
-                         ZERO_BAD: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                         ZERO_NONFINITE: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                          BAND: tl.constexpr):
     """|M|'s partial row and column sums in M's own view (``momentum_shape="natural"``, and every
     view under the magnitude flag, whose encoding needs the new factors first), one work item per
@@ -259,13 +259,13 @@ def momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
     a_rows = tl.load(row + T_M_ROWS)
     w_ptr = tl.load(row + T_W).to(tl.pointer_type(W_DTYPE))
     g_ptr = tl.load(row + T_G).to(tl.pointer_type(W_DTYPE))
-    signs_ptr = tl.load(row + T_SIGNS).to(tl.pointer_type(tl.uint8))
+    signs_ptr = tl.load(row + T_SIGN_M).to(tl.pointer_type(tl.uint8))
     row_m_ptr = tl.load(row + T_ROW_M).to(tl.pointer_type(tl.float32))
     col_m_ptr = tl.load(row + T_COL_M).to(tl.pointer_type(tl.float32))
     m_part = partial_ptr + tl.load(row + T_M_PARTIAL_AT)
     if FLAG:
-        flags_ptr = tl.load(row + T_FLAGS).to(tl.pointer_type(tl.uint8))
-        levels_ptr = tl.load(row + T_LEVELS).to(tl.pointer_type(tl.float32))
+        flags_ptr = tl.load(row + T_FLAG_M).to(tl.pointer_type(tl.uint8))
+        levels_ptr = tl.load(row + T_LEVELS_M).to(tl.pointer_type(tl.float32))
         high = tl.load(levels_ptr)
         low = tl.load(levels_ptr + 1)
     else:
@@ -290,7 +290,7 @@ def momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
         offs = tl.arange(0, BR)[:, None] * b32 + cols
         ok = row_ok[:, None] & col_ok & (offs >= held_lo - start0) & (offs < held_hi - start0)
         g = tl.load(g_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * gsign
-        if ZERO_BAD:
+        if ZERO_NONFINITE:
             g = tl.where(tl.abs(g) <= FP32_MAX, g, 0.0)
         if l2 != 0:  # L2 decay: M takes the weights too
             g = g + l2 * (tl.load(w_ptr + base + offs, mask=ok, other=0.0).to(tl.float32) * shrink)

@@ -1,12 +1,13 @@
 """The Triton kernels' table of tensors and their launch geometry: tile shape, the table's columns
-(one ``T_*`` constant per field: the kernels read ``row + T_N``, the host fills a row by name), and
+(one ``T_*`` constant per field, made from :data:`TABLE_FIELDS`, the state's from the step schema: the kernels
+read ``row + T_N``, the host fills a row by name), and
 :func:`layout`, where each tensor's work items, partial sums and bit scratch lie, and :func:`levels_layout`,
 the same for tensors under the block-levels code of M."""
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -14,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...levels import BLOCK as LEVELS_BLOCK
+from ...schema import FACTORED_FIELDS
 
 # The step kernel's geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of 8 × 128
 # on 8 warps, so that each warp holds one row of a tile (4 elements a thread) and a row's sums stay in its
@@ -30,40 +32,22 @@ MAX_REGISTERS: Optional[int] = 80  # per thread (ptxas's maxnreg); None: the com
 # and stores).
 VECTOR_HINTS = True
 COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign scratch back
-# The tensor table: one row of int64 per tensor, a column per field (module docstring). These
-# constants are the one list of fields: the kernels read ``row + T_N``, and the host fills a row by
-# name (:func:`_table_row`, from :data:`TABLE_FIELDS`, which follows them).
-T_W = tl.constexpr(0)
-T_G = tl.constexpr(1)
-T_SIGNS = tl.constexpr(2)
-T_ROW_M = tl.constexpr(3)
-T_COL_M = tl.constexpr(4)
-T_ROW_V = tl.constexpr(5)
-T_COL_V = tl.constexpr(6)
-T_N = tl.constexpr(7)
-T_M = tl.constexpr(8)
-T_TILES = tl.constexpr(9)
-T_BANDS = tl.constexpr(10)
-T_FIRST_ITEM = tl.constexpr(11)
-T_PARTIAL_AT = tl.constexpr(12)
-T_WORDS_AT = tl.constexpr(13)
-T_LO = tl.constexpr(14)
-T_HI = tl.constexpr(15)
-T_M_COLS = tl.constexpr(16)
-T_M_ROWS = tl.constexpr(17)
-T_M_TILES = tl.constexpr(18)
-T_M_BANDS = tl.constexpr(19)
-T_FIRST_SUMS_ITEM = tl.constexpr(20)
-T_M_PARTIAL_AT = tl.constexpr(21)
-T_FLAGS = tl.constexpr(22)
-T_LEVELS = tl.constexpr(23)
-T_NEW_M_AT = tl.constexpr(24)
-T_LEVEL_SUMS_AT = tl.constexpr(25)
-T_FLAG_WORDS_AT = tl.constexpr(26)
-TABLE_FIELDS = tuple(name[2:].lower() for name, value in sorted(
-    ((name, value) for name, value in globals().items() if name.startswith("T_")), key=lambda item: item[1].value))
+# The tensor table: one row of int64 per tensor, a column per field: the weight's and gradient's addresses, the
+# state's tensors' by the step schema's keys (smmf.schema.FACTORED_FIELDS; 0 for the fields a code lacks), then
+# the geometry (:func:`layout`). Each field's column is a ``T_<FIELD>`` constant made from this list: the kernels
+# read ``row + T_N``, and the host fills a row by name (``host._table_row``).
+TABLE_FIELDS = ("w", "g", *FACTORED_FIELDS, "n", "m", "tiles", "bands", "first_item", "partial_at", "words_at", "lo",
+                "hi", "m_cols", "m_rows", "m_tiles", "m_bands", "first_sums_item", "m_partial_at", "new_m_at",
+                "level_sums_at", "flag_words_at")
+for _column, _field in enumerate(TABLE_FIELDS):
+    globals()["T_" + _field.upper()] = tl.constexpr(_column)
 META_COLUMNS = tl.constexpr(len(TABLE_FIELDS))
-assert [globals()["T_" + name.upper()].value for name in TABLE_FIELDS] == list(range(len(TABLE_FIELDS)))
+
+
+def __getattr__(name: str) -> Any:  # the T_* columns are made above: this tells type checkers they exist
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
 
 

@@ -47,23 +47,23 @@ def hash_at(base, index):
 
 
 @triton.jit
-def tensor_key(keys_ptr, t, STOCHASTIC: tl.constexpr):
+def tensor_key(keys_ptr, t, STOCHASTIC_ROUNDING: tl.constexpr):
     """Tensor ``t``'s key for :func:`bf16_rounded` at this step, ``keys[t]`` (the host's
-    ``StepConfig.rounding_key``); nothing is read, and 0 returned, without ``STOCHASTIC``."""
-    if STOCHASTIC:
+    ``StepConfig.rounding_key``); nothing is read, and 0 returned, without ``STOCHASTIC_ROUNDING``."""
+    if STOCHASTIC_ROUNDING:
         return tl.load(keys_ptr + t)
     else:
         return 0
 
 
 @triton.jit
-def bf16_rounded(x, key, offsets, STOCHASTIC: tl.constexpr):
+def bf16_rounded(x, key, offsets, STOCHASTIC_ROUNDING: tl.constexpr):
     """fp32 ``x`` rounded to bf16 in the bits, so that every Triton target (and the interpreter) rounds
-    alike: add noise below the kept 16 bits (``STOCHASTIC``: the top 16 bits of :func:`hash32` of the
+    alike: add noise below the kept 16 bits (``STOCHASTIC_ROUNDING``: the top 16 bits of :func:`hash32` of the
     tensor's ``key`` + the element's index in the whole tensor, the formula of every path) or half an ulp
     to even (nearest), then truncate; NaN stays NaN. Returns fp32 values that bf16 holds exactly."""
     ubits = x.to(tl.uint32, bitcast=True)
-    if STOCHASTIC:
+    if STOCHASTIC_ROUNDING:
         ubits += hash_at(key, offsets) >> 16
     else:
         ubits += 0x7FFF + ((ubits >> 16) & 1)
