@@ -23,7 +23,7 @@ from ..contract import FlagPass, LevelsEnds, StepItem
 from . import flag, none, sign
 from .launches import ADDRESS, many_blocks_kernel, many_kernel
 from .levels import LEVELS_KERNELS, level_table, levels_piece_ends_kernel, levels_piece_kernel, touched_v_rows
-from .rows import m_rows_touched
+from .rows import SCRATCH_PAD, m_rows_touched
 from .structs import FlagPasses, Geometry, LevelsGeometry, Options, PieceGeometry, Scalars
 
 # Each code's kernels over a tensor (or a shard of one; the levels code's: LEVELS_KERNELS), by whether they run in
@@ -147,30 +147,36 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     opts = options(cfg, weight.dtype, whole, rounds=writes)
     parallel = hi - lo >= PARALLEL_MIN_NUMEL
     state_arrays = tuple(state[field.key].numpy() for field in SCHEMA[cfg.code])
-    col_acc_v: np.ndarray = np.empty((blocks, cols), dtype=scalar)
+    touched = _m_rows_touched(rows_per_block, cols, m_cols)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     args: tuple[Any, ...]
     if cfg.code is MomentumCode.NONE:
-        args = (col_acc_v, bad_counts, geo, opts)
+        args = (np.empty((blocks, cols), dtype=scalar), bad_counts, geo, opts)
+    elif cfg.code is MomentumCode.SIGN:  # |M|'s and V's column sums and M's row sums, per block
+        args = (np.empty((blocks, m_cols), dtype=scalar), np.empty((blocks, cols), dtype=scalar),
+                np.empty((blocks, touched), dtype=scalar), bad_counts, geo, opts)
     else:
-        m_scratch: tuple[np.ndarray, ...] = (np.empty((blocks, m_cols), dtype=scalar), col_acc_v,
-                     np.empty((blocks, _m_rows_touched(rows_per_block, cols, m_cols)), dtype=scalar))
-        args = (*m_scratch, bad_counts, geo, opts)
-    if cfg.code is MomentumCode.FLAG:
+        m_rows = state[ROW_M].numel()
+        new_m = np.empty(m_rows + m_cols, dtype=scalar)  # the new factors of |M|: rows, then columns
         if flag_pass is None:
             assert whole, "a shard under the magnitude flag takes numba_flag_shard_pass_"
             passes = FlagPasses(0, 2)
-            new_m = (np.empty_like(state[ROW_M].numpy()), np.empty_like(state[COL_M].numpy()))
         else:
             passes = FlagPasses(flag_pass.number, flag_pass.number + 1)
-            new_m = (flag_pass.new_row_m.numpy(), flag_pass.new_col_m.numpy())
-        fits: np.ndarray = np.empty((blocks, 4), dtype=scalar)
-        args = (*new_m, *m_scratch, fits, bad_counts, geo, passes, opts)
+            if flag_pass.number == 1:  # the caller's new factors, from every shard's sums
+                new_m[:m_rows], new_m[m_rows:] = flag_pass.new_row_m.numpy(), flag_pass.new_col_m.numpy()
+        *_, fits_at, width = _flag_scratch_layout(m_cols, cols, touched)
+        scratch = np.empty((blocks, width), dtype=scalar)
+        args = (new_m, scratch, bad_counts, geo, passes, opts)
     kernel = KERNELS[cfg.code][parallel]
     with PARALLEL_LAUNCH if parallel else contextlib.nullcontext():
         kernel(_as_numpy(weight), _as_numpy(grad), *state_arrays, *args, scalars(cfg, rows * cols, dtype))
-    if cfg.code is MomentumCode.FLAG and flag_pass is not None and flag_pass.number == 1:
-        flag_pass.level_sums.copy_(torch.from_numpy(fits.sum(axis=0)))
+    if cfg.code is MomentumCode.FLAG and flag_pass is not None:
+        if flag_pass.number == 0:  # this shard's raw sums of |M|, for the caller to add up
+            flag_pass.new_row_m.copy_(torch.from_numpy(new_m[:m_rows]))
+            flag_pass.new_col_m.copy_(torch.from_numpy(new_m[m_rows:]))
+        else:
+            flag_pass.level_sums.copy_(torch.from_numpy(scratch[:, fits_at : fits_at + 4].sum(axis=0)))
     return sum(bad_counts.tolist()) if cfg.zero_nonfinite else 0
 
 
@@ -336,12 +342,6 @@ def _fp32_geometry(numel: int) -> tuple[int, int, float]:
     return (*square_matricize_shape(numel), factor_sum_cap(numel, torch.float32))
 
 
-# Floats after each of a tensor's three sums in the blocks launch's scratch: laid end to end, |M|'s and V's
-# column sums of a block sit a multiple of 4 KiB apart for many shapes, and the CPU then stalls on loads it
-# cannot tell from the stores to the other ("4K aliasing"; a precaution, not measured on its own).
-SCRATCH_PAD = 16
-
-
 @functools.lru_cache(maxsize=256)  # one entry per set of shapes stepped together (each shape alone under
 # the step inside backward)
 def _work_parts(blocks_and_sizes: tuple[tuple[int, int], ...], parts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -368,6 +368,12 @@ def _blocks_scratch(size: int) -> np.ndarray:
     if _SCRATCH.size < size:
         _SCRATCH = np.empty(size, dtype=np.float32)
     return _SCRATCH
+
+
+@functools.lru_cache(maxsize=4096)
+def _flag_scratch_layout(m_cols: int, m: int, touched: int) -> tuple[int, int, int, int]:
+    """:func:`.flag.scratch_layout` for the host (as :func:`_m_rows_touched`)."""
+    return flag.scratch_layout(m_cols, m, touched)
 
 
 @functools.lru_cache(maxsize=4096)

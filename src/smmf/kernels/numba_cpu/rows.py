@@ -23,6 +23,10 @@ COLUMN_TILE = 1024
 PREFETCH = 256
 
 PASS: dict[str, Any] = dict(error_model="numpy", fastmath=FASTMATH)
+# Floats after each of a block's sums in a scratch that holds several end to end: laid out without a gap, |M|'s
+# and V's column sums of a block sit a multiple of 4 KiB apart for many shapes, and the CPU then stalls on loads
+# it cannot tell from the stores to the other ("4K aliasing"; a precaution, not measured on its own).
+SCRATCH_PAD = 16
 
 
 @numba.njit(inline="always")

@@ -18,6 +18,19 @@ from .rows import (COLUMN_TILE, PASS, PREFETCH, block_rows, finish_cols, finish_
 
 
 @numba.njit(inline="always", **PASS)
+def _pairs_next(i, end_row, start, width, col0, c0, here, geo):
+    """Whether row ``i``'s segment (from element ``start``, ``here`` in the arrays) pairs with the next row's:
+    with M in V's view (the paper's code) two rows' segments of a tile go through one loop
+    (:func:`~smmf.kernels.numba_cpu.elements.run_pair_with_momentum`) where both are whole (not cut by a
+    shard's ends) and their sign bits share no byte (whole rows in one tile: one span of bits). Which rows pair
+    depends on the block and the shard's ends, and a paired row's sums may differ from an unpaired one's in the
+    last bit (fastmath reassociates them): still a fixed order for a given block layout."""
+    m = geo.m
+    return (geo.m_cols == m and i + 1 < end_row and col0 == c0 and start + m + width <= geo.hi
+            and (width == m or (here + width - 1) >> 3 < (here + m) >> 3))
+
+
+@numba.njit(inline="always", **PASS)
 def _pair(w, g, sign_m, here, width, together, m, wbuf1, gbuf1, lanes, lanes1):
     """The second row's segment of a pair (elements ``here + m ..``), loaded, and the two segments' bits unpacked:
     one span of bytes for two whole rows in one tile, else two. Returns the second segment's weights and
@@ -36,41 +49,26 @@ def _pair(w, g, sign_m, here, width, together, m, wbuf1, gbuf1, lanes, lanes1):
 
 @numba.njit(inline="always", **PASS)
 def _rows_pass(w, g, row_m, col_m, sign_m, row_v, col_v, acc_m, acc_v, msums, first_row, end_row, geo, opts, sc):
-    """Rows ``first_row .. end_row`` of V's n×m view (one thread): the weights and sign bits in
-    place, the rows' new V sums into ``row_v``, the column sums into ``acc_m``/``acc_v`` and the
-    sums of the rows of M's own view that these elements touch into ``msums``, from
-    :func:`first_m_row` on (all zeroed here); returns the NaN/inf gradient elements met. M's row
-    factors are only read: the caller adds up ``msums`` of every block once all have run.
-
-    Only the elements ``lo .. hi`` of the row-major flattening are there (an FSDP2 shard's, whose
-    first and last rows may be partial; the whole matrix otherwise): ``w``, ``g`` and the sign bits
-    start at element ``lo``.
-
-    With M in V's view (the paper's code), two rows' segments of a tile go through one loop
-    (:func:`~smmf.kernels.numba_cpu.elements.run_pair_with_momentum`) where both are whole and their
-    sign bits share no byte. Which rows pair depends on the block and the shard's ends, and a paired
-    row's sums may differ from an unpaired one's in the last bit (fastmath reassociates them): still a
-    fixed order for a given block layout."""
-    m, m_cols, hi = geo.m, geo.m_cols, geo.hi
-    # A segment's sign bits span at most tile // 8 + 2 bytes (two whole rows' in one tile: 2·tile // 8 + 2);
-    # they are unpacked with their whole first and last bytes, so the neighbours' bits go back unchanged
-    # (same thread, one after another).
+    """Rows ``first_row .. end_row`` of V's n×m view (one thread): the weights and sign bits in place, the
+    rows' new V sums into ``row_v``, the column sums into ``acc_m``/``acc_v`` and the sums of the rows of M's
+    own view that these elements touch into ``msums``, from :func:`first_m_row` on (all zeroed here); returns
+    the NaN/inf gradient elements met. M's row factors are only read: the caller adds up ``msums`` of every
+    block once all have run. Only the elements ``lo .. hi`` of the row-major flattening are there (an FSDP2
+    shard's, whose first and last rows may be partial): ``w``, ``g`` and the sign bits start at element ``lo``."""
+    m, m_cols = geo.m, geo.m_cols
+    # A segment's sign bits span at most tile // 8 + 2 bytes (two whole rows' in one tile: 2·tile // 8 + 2),
+    # unpacked with their whole first and last bytes: the neighbours' bits go back unchanged (same thread).
     tile = min(m, COLUMN_TILE)
     acc_v[:] = 0
     acc_m[:] = 0
     msums[:] = 0
     m_row0 = first_m_row(first_row, m, m_cols)
-    # Row sums build up over the column tiles; the old row factors are read until the end.
-    sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)
-    wbuf = np.empty(tile, dtype=np.uint32)
-    gbuf = np.empty(tile, dtype=np.uint32)
-    wbuf1 = np.empty(tile, dtype=np.uint32)
-    gbuf1 = np.empty(tile, dtype=np.uint32)
+    sums_v = np.zeros(end_row - first_row, dtype=row_v.dtype)  # V's row sums over the tiles (row_v read till then)
+    wbuf, gbuf = np.empty(tile, dtype=np.uint32), np.empty(tile, dtype=np.uint32)
+    wbuf1, gbuf1 = np.empty(tile, dtype=np.uint32), np.empty(tile, dtype=np.uint32)  # a pair's second row's
     lanes = np.empty(2 * tile // 8 + 2, dtype=np.uint64)  # two whole rows' bits when m <= tile
     lanes1 = np.empty(tile // 8 + 2, dtype=np.uint64)  # the second row's, when rows span tiles
-    bits = lanes.view(np.uint8)
-    bits1 = lanes1.view(np.uint8)
-    pairs = m_cols == m  # with M in V's view, two rows' segments go through one loop (run_pair_with_momentum)
+    bits, bits1 = lanes.view(np.uint8), lanes1.view(np.uint8)
     bad = 0
     for c0 in range(0, m, tile):
         i = first_row
@@ -79,11 +77,8 @@ def _rows_pass(w, g, row_m, col_m, sign_m, row_v, col_v, acc_m, acc_v, msums, fi
             if width <= 0:
                 i += 1
                 continue
-            # The next row's segment: the same columns, whole (not cut by the end of a shard), in its own
-            # bytes of sign bits or right after this one's (whole rows in one tile: one span of bits).
             together = width == m
-            rows = 2 if (pairs and i + 1 < end_row and col0 == c0 and start + m + width <= hi
-                         and (together or (here + width - 1) >> 3 < (here + m) >> 3)) else 1
+            rows = 2 if _pairs_next(i, end_row, start, width, col0, c0, here, geo) else 1
             for ahead in range(rows, 2 * rows):  # the next rows' segments start new streams: start them early
                 if i + ahead < end_row:
                     prefetch_lines(w, here + ahead * m, min(width, PREFETCH))
