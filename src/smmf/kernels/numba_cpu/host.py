@@ -166,7 +166,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
             if flag_pass.number == 1:  # the caller's new factors, from every shard's sums
                 new_m[:m_rows], new_m[m_rows:] = flag_pass.new_row_m.numpy(), flag_pass.new_col_m.numpy()
         *_, fits_at, width = _flag_scratch_layout(m_cols, cols, touched)
-        scratch = np.empty((blocks, width), dtype=scalar)
+        scratch: np.ndarray = np.empty((blocks, width), dtype=scalar)
         args = (new_m, scratch, bad_counts, geo, passes, opts)
     kernel = KERNELS[cfg.code][parallel]
     with PARALLEL_LAUNCH if parallel else contextlib.nullcontext():
