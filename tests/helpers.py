@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -23,6 +26,17 @@ BACKEND_DEVICE = {"torch": "cpu", "numba": "cpu", "triton": "cuda"}
 FUSED_BACKENDS = [b for b in available_backends() if b not in ("auto", "torch")]
 CPU_FUSED_BACKENDS = [b for b in FUSED_BACKENDS if BACKEND_DEVICE[b] == "cpu"]
 HAS_CUDA = torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def deepspeed_shm_removed(port: int | str) -> Iterator[None]:
+    """Removes, once a job on ``port`` is over, the 64 MiB ``/dev/shm`` buffer per rank that DeepSpeed's CPU backend
+    creates and never unlinks: left behind, a few runs of the suite fill a small machine's shared memory."""
+    try:
+        yield
+    finally:
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            path.unlink(missing_ok=True)
 
 
 def device_of(backend: str) -> str:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deepspeed_workers as workers
+from helpers import deepspeed_shm_removed
 import smmf
 from smmf.matrix import square_matricize_shape
 
@@ -40,8 +41,10 @@ def _free_port() -> int:
 
 
 def _battery(tmp_path: Path, world: int, jobs: list) -> dict:
-    mp.start_processes(workers.battery, args=(world, _free_port(), str(tmp_path), jobs), nprocs=world, join=True,
-                       start_method="spawn")
+    port = _free_port()
+    with deepspeed_shm_removed(port):
+        mp.start_processes(workers.battery, args=(world, port, str(tmp_path), jobs), nprocs=world, join=True,
+                           start_method="spawn")
     return torch.load(tmp_path / f"battery-{world}.pt")
 
 
@@ -62,9 +65,10 @@ def one_thread():
 def test_the_reproducer_factorizes_each_tensor_not_the_flat_buffer(tmp_path) -> None:
     """The reproducer of the bug: ZeRO-2 handed SMMF one flat buffer of all 9610 params, which it factorized as a
     155×62 matrix. Each param's state now has its own factors, laid out as on one device."""
+    port = _free_port()
     script = textwrap.dedent(f"""
         import os, sys, torch
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_free_port()}", RANK="0", WORLD_SIZE="1",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0", DS_ACCELERATOR="cpu")
         import deepspeed
         from smmf import SMMF
@@ -81,8 +85,9 @@ def test_the_reproducer_factorizes_each_tensor_not_the_flat_buffer(tmp_path) -> 
     """)
     out = tmp_path / "shapes.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", script, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    with deepspeed_shm_removed(port):
+        proc = subprocess.run([sys.executable, "-c", script, str(out)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     shapes = torch.load(out)
     assert sorted(shapes) == [0, 1, 2, 3]

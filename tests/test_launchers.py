@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import deepspeed_shm_removed
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -43,12 +45,13 @@ def _launch(out: Path, launcher: str, script: str, *flags: str) -> dict:
            "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers
-        output, _ = proc.communicate()
-        pytest.fail(f"{script} {flags} did not finish in 300 s:\n{output[-6000:]}")
+    with deepspeed_shm_removed(port):
+        try:
+            output, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers
+            output, _ = proc.communicate()
+            pytest.fail(f"{script} {flags} did not finish in 300 s:\n{output[-6000:]}")
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
     return torch.load(out / "params.pt") | {"out": out / "out"}
 
