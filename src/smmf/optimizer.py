@@ -26,15 +26,13 @@ from .schedules import beta1_at, beta2_at
 from .sharding import (bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, placed_like, rows_from_flat,
                        shard_info)
 from .state import (
-    FLAG_M,
+    BIT_FIELDS,
     MAGNITUDE_BITS,
     MOMENTUM_CODE_DEFAULTS,
     MOMENTUM_SHAPES,
-    SIGN_M,
     STEP,
     MomentumCode,
     check_loaded_state,
-    check_loaded_values,
     check_state_fits,
     init_state,
     momentum_code,
@@ -75,7 +73,7 @@ _IN_BACKWARD_UNDER_DEEPSPEED = (
     "the step inside backward cannot run under DeepSpeed ZeRO: ZeRO steps the optimizer itself, on flat buffers of "
     "the parameters, after its own gradient reduction. Remove step_in_backward and let the engine step")
 # The packed bits of M (its signs, the magnitude flag): by rows of the parameter in FSDP2 checkpoints.
-_BIT_KEYS = frozenset({SIGN_M, FLAG_M})
+_BIT_KEYS = BIT_FIELDS
 # A graph break under torch.compile, in the lazy form torch's own optimizers use: it imports dynamo at the first
 # call, where ``torch.compiler.disable`` imports it as it decorates, which slowed ``import smmf`` (docs/design.md),
 # and dynamo never traces into it. The public decorator where a torch lacks it.

@@ -37,10 +37,9 @@ from .levels import block_span, piece_codes_shape
 from .matrix import packed_sign_bytes
 from .shards import Rounds, add_counts, fused_shard_rounds, levels_piece_rounds, run_rounds, torch_shard_rounds
 from .state import (
+    BIT_FIELDS,
     CODES_M,
-    FLAG_M,
     SCALES_M,
-    SIGN_M,
     STEP,
     MomentumCode,
     TensorSpec,
@@ -141,9 +140,8 @@ def piece_layout(piece: Piece, group: Mapping[str, Any], dtype: torch.dtype) -> 
         first, last = block_span(piece.shape, math.prod(piece.shape), piece.start, piece.numel)
         layout[CODES_M] = TensorSpec(piece_codes_shape(piece.numel), torch.uint8)
         layout[SCALES_M] = TensorSpec((last - first + 1,), torch.bfloat16)
-    for key in (SIGN_M, FLAG_M):
-        if key in layout:
-            layout[key] = TensorSpec((packed_sign_bytes(piece.numel),), torch.uint8)
+    for key in BIT_FIELDS & layout.keys():
+        layout[key] = TensorSpec((packed_sign_bytes(piece.numel),), torch.uint8)
     return layout
 
 

@@ -22,7 +22,7 @@ from .levels import codes_shape, scales_shape
 
 __all__ = ["CODES_M", "COL_M", "COL_V", "EXP_AVG", "EXP_AVG_SQ", "FLAG_M", "LEVELS_M", "ROW_M", "ROW_V", "SCALES_M",
            "SIGN_M", "STEP", "SCHEMA", "STEP_NUMBERS", "STEP_OPTIONS", "Dims", "MomentumCode", "StateField",
-           "FACTORED_FIELDS"]
+           "FACTORED_FIELDS", "BIT_FIELDS"]
 
 
 class MomentumCode(enum.Enum):
@@ -69,24 +69,27 @@ class Dims(NamedTuple):
 @dataclass(frozen=True)
 class StateField:
     """One tensor of a code's state: its key, shape rule and dtype (module docstring); ``own``: one value per
-    element or block of the tensor; ``first_moment``: kept only when the group has a first moment (beta set)."""
+    element or block of the tensor; ``bits``: one packed bit per element (laid out as
+    :func:`smmf.matrix.pack_signs` lays them out: a shard keeps its own elements', a checkpoint holds them by rows
+    of the param); ``first_moment``: kept only when the group has a first moment (beta set)."""
 
     key: str
     shape: Callable[[Dims], tuple[int, ...]]
     dtype: str
     own: bool = False
     first_moment: bool = False
+    bits: bool = False
 
 
 _V = (StateField(ROW_V, lambda d: (d.rows,), "factor"), StateField(COL_V, lambda d: (d.cols,), "factor"))
 _SIGN = (StateField(ROW_M, lambda d: (d.m_rows,), "factor"), StateField(COL_M, lambda d: (d.m_cols,), "factor"),
-         StateField(SIGN_M, lambda d: (d.bit_bytes,), "uint8", own=True))
+         StateField(SIGN_M, lambda d: (d.bit_bytes,), "uint8", own=True, bits=True))
 SCHEMA: dict[MomentumCode, tuple[StateField, ...]] = {
     MomentumCode.DENSE: (StateField(EXP_AVG, lambda d: d.shape, "factor", own=True, first_moment=True),
                          StateField(EXP_AVG_SQ, lambda d: d.shape, "factor", own=True)),
     MomentumCode.NONE: _V,
     MomentumCode.SIGN: _SIGN + _V,
-    MomentumCode.FLAG: _SIGN + (StateField(FLAG_M, lambda d: (d.bit_bytes,), "uint8", own=True),
+    MomentumCode.FLAG: _SIGN + (StateField(FLAG_M, lambda d: (d.bit_bytes,), "uint8", own=True, bits=True),
                                 StateField(LEVELS_M, lambda d: (2,), "factor")) + _V,
     MomentumCode.LEVELS: (StateField(CODES_M, lambda d: codes_shape(d.levels_rows, d.levels_cols), "uint8", own=True),
                           StateField(SCALES_M, lambda d: scales_shape(d.levels_rows, d.levels_cols), "bf16", own=True))
@@ -95,6 +98,9 @@ SCHEMA: dict[MomentumCode, tuple[StateField, ...]] = {
 # The state fields of the factored codes, each once, in schema order: the Triton table's columns of state.
 FACTORED_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(
     field.key for code, fields in SCHEMA.items() if code is not MomentumCode.DENSE for field in fields))
+
+# The fields of packed bits, one per element (StateField.bits).
+BIT_FIELDS: frozenset[str] = frozenset(field.key for fields in SCHEMA.values() for field in fields if field.bits)
 
 # The numbers of a step, in the work dtype, as the kernels take them (smmf.functional.step_numbers makes them):
 # lr; β1_t and 1 − β1_t (0 and 1 without a first moment); β2_t and 1 − β2_t (each rounded once from float64, as on

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from .levels import codes_shape, levels_shape
 from .matrix import packed_sign_bytes, square_matricize_shape
-from .schema import (CODES_M, COL_M, COL_V, EXP_AVG, EXP_AVG_SQ, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M, SCHEMA,
-                     SIGN_M, STEP, Dims, MomentumCode)
+from .schema import (BIT_FIELDS, CODES_M, COL_M, COL_V, EXP_AVG, EXP_AVG_SQ, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M,
+                     SCHEMA, SIGN_M, STEP, Dims, MomentumCode)
 from .sharding import as_state, is_dtensor, local, shard_info
 
 MOMENTUM_SHAPES = ("square", "natural")
@@ -118,7 +118,7 @@ def init_state(param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         elif key in (CODES_M, SCALES_M):  # by rows of the param: a shard's rows, or all of them (module docstring)
             state[key] = levels_state(spec, param, info)
         else:
-            bits = key in (SIGN_M, FLAG_M)  # per element: each rank keeps its own
+            bits = key in BIT_FIELDS  # per element: each rank keeps its own
             piece = torch.zeros(info.sign_bytes if bits else spec.shape[0], dtype=spec.dtype, device=local(param).device)
             state[key] = as_state(piece, info, sharded=bits)
     return state
