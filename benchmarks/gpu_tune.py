@@ -1,5 +1,5 @@
 """The Triton step's geometry, tried on a GPU: every candidate (tile shape, warps, 16-byte hints, a
-register cap, band height, how the loop overlaps its loads) timed
+register cap, band height) timed
 round-robin with ``AdamW(fused=True)`` and the in-place axpy over the same params, in one run, per shape
 set and weight dtype; JSON with the medians and the ratios. First each candidate takes one step of a mix
 of shapes (aligned and not, a conv, a vector) from the same state as the torch path: one that fails to
@@ -26,12 +26,9 @@ from smmf.bench.shapes import make_params
 from smmf.kernels.triton_gpu import table
 
 DEFAULT = dict(BLOCK_ROWS=table.BLOCK_ROWS, BLOCK_COLS=table.BLOCK_COLS, WARPS=table.WARPS,
-               BAND_ROWS=table.BAND_ROWS, VECTOR_HINTS=table.VECTOR_HINTS, MAX_REGISTERS=table.MAX_REGISTERS,
-               PIPELINE_STAGES=table.PIPELINE_STAGES, PREFETCH=table.PREFETCH)
-PIPELINED = dict(PIPELINE_STAGES=3, PREFETCH=False)  # Triton's pipelining: the geometry before the prefetch
+               BAND_ROWS=table.BAND_ROWS, VECTOR_HINTS=table.VECTOR_HINTS, MAX_REGISTERS=table.MAX_REGISTERS)
 CANDIDATES: dict[str, dict[str, Any]] = {
     "default (8x128 w8, prefetch, 80 registers)": {},
-    "8x128 w8, 3 stages, 80 registers (the earlier default)": PIPELINED,
     "8x128 w8, prefetch, 96 registers": dict(MAX_REGISTERS=96),
     "8x128 w8, prefetch, 64 registers": dict(MAX_REGISTERS=64),
     "16x128 w8, prefetch": dict(BLOCK_ROWS=16),

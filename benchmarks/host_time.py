@@ -29,8 +29,8 @@ from smmf.bench.shapes import make_params
 from smmf.kernels.numba_cpu import host as numba_host
 from smmf.kernels.triton_gpu import host, levels
 
-KERNELS = ("step_kernel", "finish_kernel", "momentum_sums_kernel", "flag_finish_kernel", "v_sums_kernel",
-           "levels_step_kernel")
+KERNELS = ("sign_step_kernel", "flag_step_kernel", "none_step_kernel", "finish_kernel", "momentum_sums_kernel",
+           "flag_finish_kernel", "v_sums_kernel", "levels_step_kernel")
 
 
 class _NoLaunch:
@@ -87,8 +87,9 @@ def main() -> None:
 
 def _no_numba_launches() -> None:
     """The numba kernels that the host side calls, each a counted no-op (the state is left as it was)."""
-    for table in ("KERNELS", "FLAG_KERNELS", "LEVELS_KERNELS"):
-        setattr(numba_host, table, {parallel: _NoLaunch._launch for parallel in getattr(numba_host, table)})
+    numba_host.KERNELS = {code: {parallel: _NoLaunch._launch for parallel in kernels}
+                          for code, kernels in numba_host.KERNELS.items()}
+    numba_host.LEVELS_KERNELS = {parallel: _NoLaunch._launch for parallel in numba_host.LEVELS_KERNELS}
     numba_host.many_blocks_kernel = numba_host.many_kernel = _NoLaunch._launch
 
 

@@ -20,10 +20,12 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from smmf.kernels.triton_gpu import finish, levels, step, table
+from smmf.kernels.triton_gpu import finish, flag, levels, none, sign, sums, table
 
-STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", words_ptr="*i32", bad_ptr="*i32",
-                 lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", gsign="fp32", shrink="fp32", l2="fp32", keys_ptr="*i64")
+_POINTERS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", words_ptr="*i32", bad_ptr="*i32",
+                 keys_ptr="*i64")
+_SCALARS = dict(lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", gsign="fp32", shrink="fp32", l2="fp32")
+STEP_ARGS = dict(**_POINTERS, **_SCALARS)
 SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", beta1="fp32", gsign="fp32",
                  shrink="fp32", l2="fp32")
 FINISH_ARGS = dict(meta_ptr="*i64", partial_ptr="*fp32", words_ptr="*i32")
@@ -32,34 +34,42 @@ _LEVELS_SCALARS = dict(beta2="fp32", rest2="fp32", gsign="fp32", shrink="fp32", 
 LEVELS_V_SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", **_LEVELS_SCALARS)
 LEVELS_STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", salts_ptr="*i64", bad_ptr="*i32", lr="fp32",
                         beta1="fp32", rest1="fp32", eps="fp32", keys_ptr="*i64", **_LEVELS_SCALARS)
+STEP_KERNELS = (sign.sign_step_kernel, flag.flag_step_kernel, none.none_step_kernel)
 # Options a kernel is launched with beyond its warps.
 LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS,
-                  step.step_kernel: dict(maxnreg=table.MAX_REGISTERS) if table.MAX_REGISTERS else {}}
+                  **{kernel: dict(maxnreg=table.MAX_REGISTERS) if table.MAX_REGISTERS else {} for kernel in STEP_KERNELS}}
 
 
 def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
-    """(label, kernel, argument types, constexprs, warps) for each specialization a launch can make."""
+    """(label, kernel, argument types, constexprs, warps) for each specialization a launch can make: an
+    argument given as None (no bit scratch, no NaN/inf count, no bf16 rounding keys) is a constexpr."""
     out = []
-    for dtype, has_m, aligned, vector, shard, natural, flag in itertools.product(
+    for dtype, has_m, aligned, vector, shard, natural, with_flag in itertools.product(
             (tl.float32, tl.bfloat16, tl.float16), (True, False), (True, False), (True, False), (False, True),
             (False, True), (False, True)):
-        if not has_m and (not aligned or natural or flag):
+        if not has_m and (not aligned or natural or with_flag):
             continue  # without a first moment there are no bits: aligned, with or without 16-byte hints
         if vector and not aligned:
             continue  # 16-byte rows are whole sign bytes
-        consts = dict(W_DTYPE=dtype, HAS_M=has_m, ALIGNED=aligned, VECTOR=vector, SHARD=shard,
-                      STOCHASTIC_ROUNDING=dtype == tl.bfloat16, ZERO_NONFINITE=True, NATURAL=natural, FLAG=flag,
-                      STAGES=table.PIPELINE_STAGES, PREFETCH=table.PREFETCH, **TILES)
-        label = f"step {dtype} m={has_m} aligned={aligned} vector={vector} shard={shard} natural={natural} flag={flag}"
-        out.append((label, step.step_kernel, STEP_ARGS, consts, table.WARPS))
-    for flag in (False, True):
-        consts = dict(W_DTYPE=tl.float32, ZERO_NONFINITE=True, FLAG=flag, **TILES)
-        out.append((f"momentum sums flag={flag}", step.momentum_sums_kernel, SUMS_ARGS, consts, table.WARPS))
-    for first, moments, scratch, flag in ((0, 2, False, False), (0, 1, False, False), (1, 1, True, True),
-                                          (0, 1, False, True)):
+        consts: dict[str, Any] = dict(W_DTYPE=dtype, VECTOR=vector, SHARD=shard, **TILES)
+        if dtype != tl.bfloat16:
+            consts["keys_ptr"] = None  # nearest (stochastic rounding is bf16's)
+        if has_m:
+            consts["NATURAL"] = natural
+            if aligned:
+                consts["words_ptr"] = None
+        kernel = flag.flag_step_kernel if with_flag else sign.sign_step_kernel if has_m else none.none_step_kernel
+        label = (f"step {dtype} m={has_m} aligned={aligned} vector={vector} shard={shard} natural={natural} "
+                 f"flag={with_flag}")
+        out.append((label, kernel, STEP_ARGS, consts, table.WARPS))
+    for with_flag in (False, True):
+        consts = dict(W_DTYPE=tl.float32, ZERO_NONFINITE=True, FLAG=with_flag, **TILES)
+        out.append((f"momentum sums flag={with_flag}", sums.momentum_sums_kernel, SUMS_ARGS, consts, table.WARPS))
+    for first, moments, scratch, with_flag in ((0, 2, False, False), (0, 1, False, False), (1, 1, True, True),
+                                               (0, 1, False, True)):
         consts = dict(BLOCK=256, KB=16, COPIERS=table.COPY_PROGRAMS, COPY_BLOCK=4096, NORMALIZE=True, FIRST=first,
-                      MOMENTS=moments, TO_SCRATCH=scratch, FLAG=flag)
-        out.append((f"finish moments {first}..{first + moments - 1} scratch={scratch} flag={flag}",
+                      MOMENTS=moments, TO_SCRATCH=scratch, FLAG=with_flag)
+        out.append((f"finish moments {first}..{first + moments - 1} scratch={scratch} flag={with_flag}",
                     finish.finish_kernel, FINISH_ARGS, consts, 8))
     out.append(("flag finish", finish.flag_finish_kernel, dict(meta_ptr="*i64", partial_ptr="*fp32"),
                 dict(BLOCK=256), 4))
@@ -68,9 +78,10 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
                     dict(W_DTYPE=dtype, ZERO_NONFINITE=True, **TILES), table.WARPS))
         bf16 = ((False, False), (True, False), (False, True), (True, True))  # weights' rounding × the levels'
         for stochastic, dithered in bf16 if dtype == tl.bfloat16 else ((False, False), (False, True)):
+            consts = dict(W_DTYPE=dtype, **({} if stochastic else {"keys_ptr": None}),
+                          **({} if dithered else {"salts_ptr": None}))
             out.append((f"levels step {dtype} stochastic={stochastic} dither={dithered}", levels.levels_step_kernel,
-                        LEVELS_STEP_ARGS, dict(W_DTYPE=dtype, ZERO_NONFINITE=True, STOCHASTIC_ROUNDING=stochastic, DITHER=dithered,
-                                               BLOCKS=levels.BLOCKS_PER_PROGRAM), levels.STEP_WARPS))
+                        LEVELS_STEP_ARGS, consts, levels.STEP_WARPS))
     return out
 
 

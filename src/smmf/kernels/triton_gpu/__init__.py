@@ -12,7 +12,8 @@ an optimizer step is a fixed number of launches whatever the number of tensors, 
 The launches, all deterministic (no floating-point atomics: a resumed run is bit-identical to an
 uninterrupted one):
 
-1. ``step.step_kernel``: one program per work item, a (tensor, band of rows, column tile) triple. It
+1. The step kernel of the launch set's code of M (:mod:`.sign`, :mod:`.flag`, :mod:`.none`; the pieces they
+   share in :mod:`.step`): one program per work item, a (tensor, band of rows, column tile) triple. It
    walks its band in ``BR × BC`` tiles: reads the gradient, the weight and the sign bits once,
    rebuilds M̂ and V̂ from the factors, writes the weight and the new sign bits, and writes partial
    sums of |M| and V — per row of each tile (one slot per column tile) and per column of its band
@@ -20,7 +21,7 @@ uninterrupted one):
 2. ``finish.finish_kernel``: per tensor and moment, sums the partials in a fixed order and writes the row
    factors and the column factors divided by the total (``smmf.matrix.nnmf_from_sums``).
 
-With M in its natural shape, or with the magnitude flag, ``step.momentum_sums_kernel`` sums |M| in M's
+With M in its natural shape, or with the magnitude flag, ``sums.momentum_sums_kernel`` sums |M| in M's
 own view first (from the state before the step), so the step kernel only reads M's factors. The
 flag needs the *new* factors before it can encode (F = [|M| > r cᵀ]), so for it the finish kernel
 first writes them into the partial buffer, the step kernel decodes M with the old code and encodes
@@ -39,12 +40,16 @@ constants, :data:`TABLE_FIELDS`): the addresses of w, g, signs, row_m, col_m, ro
 m, column tiles, bands, its first work item, where its (V's) partial sums start and where its sign
 scratch starts, the elements lo .. hi of the row-major flattening that w, g and the sign bits hold
 (0 .. n·m, or an FSDP2 shard's range, whose first and last rows may be partial), M's own view:
-columns, rows, column tiles, bands, the first work item of :func:`.step.momentum_sums_kernel` and where
+columns, rows, column tiles, bands, the first work item of :func:`.sums.momentum_sums_kernel` and where
 M's partial sums start (V's view unless ``momentum_shape="natural"``), and for the flag: the
 addresses of its bits and levels, where the new factors of |M| and the level sums sit in the
 partial buffer, and where its bit scratch starts (0 without the flag). The
 scalars of a launch (lr, β1_t, β2_t, …) are arguments, so tensors whose step configuration (or sign
-alignment, or code of M) differs go to separate launches.
+alignment, or code of M) differs go to separate launches. They stay seven arguments, not a small array the
+kernel reads: loaded, each is a register held through the loop, and under the 80-register cap the step kernels
+spilled 8–40 bytes more a thread (``tests/triton_compile.py``). What a launch leaves out is an argument given as
+None, which Triton compiles away: the bit scratch (every row is whole sign bytes), the NaN/inf count (NaN/inf
+gradients are not zeroed) and the bf16 rounding keys (rounding to nearest).
 
 An FSDP2 shard (:func:`triton_shard_step_`) is one launch over its rows; the finish kernel then
 leaves the raw row and column sums in the factor vectors (rows the shard lacks get 0), for the caller
@@ -59,8 +64,9 @@ does not walk: its tensors take the kernels of :mod:`.levels`, many tensors per 
 kernel for V's factors — three launches per launch set, an FSDP2 shard's included.
 
 Read top to bottom: :mod:`.table` (tile shape, the table's columns, launch geometry), :mod:`.tiles`
-(pieces the kernels share), :mod:`.step` (the step and momentum sums kernels), :mod:`.finish` (the
-finish kernels), :mod:`.levels` (the levels code's kernels and launches), :mod:`.host` (launches).
+(element pieces the kernels share), :mod:`.step` (what the step kernels of every code share), :mod:`.sign`,
+:mod:`.flag` and :mod:`.none` (a step kernel per code of M), :mod:`.sums` (the momentum sums kernel),
+:mod:`.finish` (the finish kernels), :mod:`.levels` (the levels code's kernels), :mod:`.host` (launches).
 """
 
 from __future__ import annotations

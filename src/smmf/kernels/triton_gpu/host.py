@@ -16,7 +16,10 @@ from ...schema import FACTORED_FIELDS
 from ..contract import FlagPass, StepItem
 from .finish import finish_kernel, flag_finish_kernel
 from .levels import BLOCKS_PER_PROGRAM, LAUNCH_OPTIONS, STEP_WARPS, levels_step_kernel, v_sums_kernel
-from .step import momentum_sums_kernel, step_kernel
+from .flag import flag_step_kernel
+from .none import none_step_kernel
+from .sign import sign_step_kernel
+from .sums import momentum_sums_kernel
 from . import table as tables  # tile shape read at each launch: benchmarks/gpu_tune.py sweeps it
 from .table import META_COLUMNS, TABLE_FIELDS, layout, levels_layout
 
@@ -327,7 +330,6 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         return _run_levels(group, cfg, bad, partial, salts, keys)
     words = torch.zeros(max(group.words_numel, 1), dtype=torch.int32, device=device)
     blocks = dict(BR=tables.BLOCK_ROWS, BC=tables.BLOCK_COLS, BAND=tables.BAND_ROWS, num_warps=tables.WARPS)
-    cap = dict(maxnreg=tables.MAX_REGISTERS) if tables.MAX_REGISTERS else {}  # the step kernel's
     finish = dict(BLOCK=256, KB=16, COPY_BLOCK=4096, FLAG=flag, num_warps=8)
     shard_pass = None if flag_pass is None else flag_pass.number
     if (group.natural or flag) and shard_pass != 1:  # |M|'s sums in M's own view, before the step kernel's writes
@@ -347,16 +349,8 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
             flag_pass.new_row_m.copy_(partial[new_m : new_m + m_rows])
             flag_pass.new_col_m.copy_(partial[new_m + m_rows : new_m + m_rows + m_cols])
             return
-    step_kernel[(group.item_tensor.numel(),)](
-        meta, group.item_tensor, partial, words, bad,
-        cfg.lr, cfg.beta1 if group.has_m else 0.0, cfg.beta2, cfg.eps,
-        *cfg.folded(),
-        meta if keys is None else keys,
-        W_DTYPE=_TL_DTYPES[group.dtype], HAS_M=group.has_m, ALIGNED=group.aligned,
-        VECTOR=group.vector and tables.VECTOR_HINTS, SHARD=group.shard, STAGES=tables.PIPELINE_STAGES,
-        PREFETCH=tables.PREFETCH,
-        STOCHASTIC_ROUNDING=group.stochastic, ZERO_NONFINITE=cfg.zero_nonfinite, NATURAL=group.natural, FLAG=flag, **blocks, **cap,
-    )
+    _step_launch(group, cfg, partial, None if group.aligned else words, bad if cfg.zero_nonfinite else None, keys,
+                 blocks)
     copiers = 0 if group.aligned else tables.COPY_PROGRAMS
     moments = 2 if group.has_m and not flag else 1  # the flag's M is finished already
     finish_kernel[(group.tensors, moments + copiers)](
@@ -368,6 +362,23 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         flag_pass.level_sums.copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
     elif flag:
         flag_finish_kernel[(group.tensors,)](meta, partial, BLOCK=256, num_warps=4)
+
+
+def _step_launch(group: _Group, cfg: StepConfig, partial: Tensor, words: Optional[Tensor], bad: Optional[Tensor],
+                 keys: Optional[Tensor], blocks: dict[str, int]) -> None:
+    """The step kernel of the group's code of M (:mod:`.sign`, :mod:`.flag`, :mod:`.none`). ``words``: the bit
+    scratch (None: every row is whole sign bytes); ``bad``: the NaN/inf counter (None: they are not zeroed);
+    ``keys``: the bf16 rounding keys (None: to nearest)."""
+    grid = (group.item_tensor.numel(),)
+    options = dict(W_DTYPE=_TL_DTYPES[group.dtype], VECTOR=group.vector and tables.VECTOR_HINTS, SHARD=group.shard,
+                   **blocks, **(dict(maxnreg=tables.MAX_REGISTERS) if tables.MAX_REGISTERS else {}))
+    head = (group.meta, group.item_tensor, partial)
+    if not group.has_m:
+        none_step_kernel[grid](*head, bad, keys, cfg.lr, cfg.beta2, cfg.eps, *cfg.folded(), **options)
+    else:
+        kernel = flag_step_kernel if group.flag else sign_step_kernel
+        kernel[grid](*head, words, bad, keys, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, *cfg.folded(),
+                     NATURAL=group.natural, **options)
 
 
 def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, salts: Optional[Tensor],
@@ -384,11 +395,9 @@ def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, sa
         num_warps=tables.WARPS, **LAUNCH_OPTIONS,
     )
     levels_step_kernel[(group.sums_items.numel(),)](
-        group.meta, group.sums_items, group.meta if salts is None else salts, bad, cfg.lr, cfg.beta1,
-        1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2,
-        group.meta if keys is None else keys, W_DTYPE=dtype,
-        ZERO_NONFINITE=cfg.zero_nonfinite, STOCHASTIC_ROUNDING=group.stochastic, DITHER=salts is not None, BLOCKS=BLOCKS_PER_PROGRAM,
-        num_warps=STEP_WARPS, **LAUNCH_OPTIONS,
+        group.meta, group.sums_items, salts, bad if cfg.zero_nonfinite else None, keys, cfg.lr, cfg.beta1,
+        1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, gsign, shrink, l2, W_DTYPE=dtype, num_warps=STEP_WARPS,
+        **LAUNCH_OPTIONS,
     )
     finish_kernel[(group.tensors, 1)](group.meta, partial, bad, COPIERS=1, NORMALIZE=group.normalize, FIRST=0,
                                       MOMENTS=1, TO_SCRATCH=False, BLOCK=256, KB=16, COPY_BLOCK=4096, FLAG=False,

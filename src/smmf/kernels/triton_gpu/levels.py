@@ -37,9 +37,10 @@ import triton
 import triton.language as tl
 
 from ...levels import BLOCK, DITHER_BITS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
-from .table import (FP32_MAX, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_SCALES_M, T_LO, T_M, T_M_COLS, T_M_ROWS, T_M_TILES,
-                    T_PARTIAL_AT, T_CODES_M, T_TILES)
-from .tiles import bf16_rounded, hash_at, tensor_key, tensor_pointers, v_span, work_item
+from .step import write_weights
+from .table import (FP32_MAX, T_CODES_M, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_LO, T_M, T_M_COLS,
+                    T_M_ROWS, T_M_TILES, T_PARTIAL_AT, T_SCALES_M, T_TILES)
+from .tiles import bf16_rounded, hash_at, tensor_pointers, v_span, work_item
 
 __all__ = ["BLOCKS_PER_PROGRAM", "LAUNCH_OPTIONS", "STEP_WARPS", "levels_step_kernel", "v_sums_kernel"]
 
@@ -49,6 +50,7 @@ BLOCKS_PER_PROGRAM, STEP_WARPS = 16, 8
 # Compiled without FP contraction: the multiply-adds that torch fuses are tl.fma, the rest round as torch's ops.
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 LEVEL_BLOCK = tl.constexpr(BLOCK)
+LEVEL_BLOCKS = tl.constexpr(BLOCKS_PER_PROGRAM)
 LEVEL_TOP = tl.constexpr(TOP_LEVEL)
 LEVEL_NEGATIVE = tl.constexpr(NEGATIVE)
 LEVEL_SCALE_MAX = tl.constexpr(SCALE_MAX)
@@ -141,17 +143,18 @@ def encoded_momentum(m, scale, offset):
 
 
 @triton.jit
-def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1, rest1, beta2, rest2, eps, gsign,
-                       shrink, l2, keys_ptr, W_DTYPE: tl.constexpr, ZERO_NONFINITE: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr,
-                       DITHER: tl.constexpr, BLOCKS: tl.constexpr):
-    """One work item: BLOCKS consecutive blocks of a tensor's M (``T_M_TILES`` blocks to each of its
-    ``T_M_ROWS`` rows of ``T_M_COLS`` elements), one per row of a (BLOCKS, 64, 2) tile whose last axis is
-    the two codes of a byte (even column, low nibble). The arrays hold the param from element ``lo`` of its
-    flattening (0, or an FSDP2 shard's first row): element e sits at ((lo + e) // m, (lo + e) % m) of V's
-    view, whose old factors it reads, and draws its dither by lo + e with the tensor's salt (``salts[t]``,
-    under ``DITHER``), and its bf16 rounding noise by lo + e with ``keys[t]`` (under ``STOCHASTIC_ROUNDING``). Writes
-    the codes, the scales and the weights; adds the NaN/inf gradient elements to
-    ``bad`` under ``ZERO_NONFINITE`` (the torch path counts them only then)."""
+def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, keys_ptr, lr, beta1, rest1, beta2, rest2, eps,
+                       gsign, shrink, l2, W_DTYPE: tl.constexpr):
+    """One work item: :data:`BLOCKS_PER_PROGRAM` consecutive blocks of a tensor's M (``T_M_TILES`` blocks to
+    each of its ``T_M_ROWS`` rows of ``T_M_COLS`` elements), one per row of a (blocks, 64, 2) tile whose last
+    axis is the two codes of a byte (even column, low nibble). The arrays hold the param from element ``lo`` of
+    its flattening (0, or an FSDP2 shard's first row): element e sits at ((lo + e) // m, (lo + e) % m) of V's
+    view, whose old factors it reads, and draws its dither by lo + e with the tensor's salt (``salts[t]``; None:
+    the levels round to nearest), and its bf16 rounding noise by lo + e with ``keys[t]`` (None: to nearest).
+    Writes the codes, the scales and the weights; NaN/inf gradient elements count as zero and are added to
+    ``bad`` (None: neither; the torch path counts them only when it zeroes them)."""
+    ZERO_NONFINITE: tl.constexpr = bad_ptr is not None
+    BLOCKS: tl.constexpr = LEVEL_BLOCKS
     t, row, blocks_per_row, local, _, _ = work_item(meta_ptr, item_tensor_ptr, T_M_TILES, T_FIRST_SUMS_ITEM)
     cols = tl.load(row + T_M_COLS).to(tl.int32)
     blocks = tl.load(row + T_M_ROWS).to(tl.int32) * blocks_per_row.to(tl.int32)
@@ -188,7 +191,7 @@ def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1,
     top = tl.max(tl.max(tl.minimum(tl.where(a != a, 0.0, a), LEVEL_SCALE_MAX), axis=2), axis=1)
     scale = bf16_rounded(top, 0, 0, False)
     tl.store(scales_ptr + block, scale.to(tl.bfloat16), mask=block_ok)
-    if DITHER:  # the levels rounded stochastically
+    if salts_ptr is not None:  # the levels rounded stochastically
         codes = encoded_momentum(mm, scale[:, None, None], dither(tl.load(salts_ptr + t), lo + element))
     else:
         codes = encoded_momentum(mm, scale[:, None, None], 0.5)
@@ -196,9 +199,7 @@ def levels_step_kernel(meta_ptr, item_tensor_ptr, salts_ptr, bad_ptr, lr, beta1,
 
     # The weight, with this step's uncompressed M and V: W − lr·M / (√V + ε), as torch's add(alpha=−lr).
     new_w = tl.fma(tl.math.div_rn(mm, tl.sqrt_rn(v) + eps), -lr, w)
-    if W_DTYPE == tl.bfloat16:
-        new_w = bf16_rounded(new_w, tensor_key(keys_ptr, t, STOCHASTIC_ROUNDING), lo + element, STOCHASTIC_ROUNDING)  # by its index in the param
-    tl.store(w_ptr + element, new_w.to(W_DTYPE), mask=ok)
+    write_weights(w_ptr, 0, element, ok, new_w, keys_ptr, t, lo, W_DTYPE)  # noise by its index in the param
     if ZERO_NONFINITE:
         bad = tl.sum(tl.sum(tl.sum((ok & ~finite).to(tl.int32), axis=2), axis=1), axis=0)
         tl.atomic_add(bad_ptr, bad, mask=bad > 0)

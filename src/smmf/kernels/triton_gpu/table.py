@@ -17,16 +17,13 @@ from torch import Tensor
 from ...levels import BLOCK as LEVELS_BLOCK
 from ...schema import FACTORED_FIELDS
 
-# The step kernel's geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of 8 × 128
+# The step kernels' geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of 8 × 128
 # on 8 warps, so that each warp holds one row of a tile (4 elements a thread) and a row's sums stay in its
-# warp; each iteration issues the next tile's loads into registers before it computes (PREFETCH; Triton's
-# own pipelining, PIPELINE_STAGES > 1, stages only w and g, through shared memory, and leaves the sign
-# bytes' load in the loop). A cap of 80 registers a thread lets three programs share an SM. BLOCK_COLS is
-# a multiple of 32 (the unaligned sign path packs 32 bits at a time).
+# warp; each iteration issues the next tile's loads into registers before it computes (:mod:`.step`). A cap
+# of 80 registers a thread lets three programs share an SM. BLOCK_COLS is a multiple of 32 (the unaligned
+# sign path packs 32 bits at a time).
 BLOCK_ROWS, BLOCK_COLS, WARPS = 8, 128, 8
-BAND_ROWS = 256
-PIPELINE_STAGES = 1  # tiles in flight per program by Triton's pipelining (the step kernel's STAGES)
-PREFETCH = True  # the next tile's loads into registers, before this tile is computed
+BAND_ROWS = 256  # rows of a work item's band
 MAX_REGISTERS: Optional[int] = 80  # per thread (ptxas's maxnreg); None: the compiler's choice
 # Whether launches whose tensors pass host.py's _vector check tell the step kernel so (16-byte loads
 # and stores).
@@ -67,17 +64,18 @@ def layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool,
     for n, m, lo, hi, m_cols, flag in spans:
         tiles, bands = triton.cdiv(m, block_cols), triton.cdiv(triton.cdiv(hi, m) - lo // m, band_rows)
         m_rows = n * m // m_cols
-        sums_first = m_cols != m or flag  # |M|'s sums by momentum_sums_kernel, in M's view
+        sums_first = m_cols != m or flag  # |M|'s sums by the sums kernel, in M's view
         held_m_rows = triton.cdiv(hi, m_cols) - lo // m_cols
         m_tiles, m_bands = (triton.cdiv(m_cols, block_cols), triton.cdiv(held_m_rows, band_rows)) if sums_first else (tiles, bands)
         m_partial_at = partial_at + tiles * n + bands * m
         new_m_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
         level_sums_at = new_m_at + (m_rows + m_cols if flag else 0)
         sign_words = (hi - lo) // 32 + 2 if has_m and (m % 8 or lo % 8) else 0
-        geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item, partial_at=partial_at,
-                             words_at=words_at, lo=lo, hi=hi, m_cols=m_cols, m_rows=m_rows, m_tiles=m_tiles,
-                             m_bands=m_bands, first_sums_item=first_sums_item, m_partial_at=m_partial_at,
-                             new_m_at=new_m_at, level_sums_at=level_sums_at, flag_words_at=words_at + sign_words))
+        geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item,
+                             partial_at=partial_at, words_at=words_at, lo=lo, hi=hi, m_cols=m_cols, m_rows=m_rows,
+                             m_tiles=m_tiles, m_bands=m_bands, first_sums_item=first_sums_item,
+                             m_partial_at=m_partial_at, new_m_at=new_m_at, level_sums_at=level_sums_at,
+                             flag_words_at=words_at + sign_words))
         counts.append(tiles * bands)
         sums_counts.append(m_tiles * m_bands if sums_first else 0)
         first_item += tiles * bands
@@ -109,10 +107,10 @@ def levels_layout(spans: tuple[tuple[int, int, int, int, int, int], ...], device
             raise RuntimeError(f"the Triton kernels of the levels code index a row's elements and a tensor's blocks in "
                                f"int32: M of {rows} × {cols} (a 1-D param is one row) is too large for them; "
                                "use backend='torch' for it")
-        geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item, partial_at=partial_at,
-                             words_at=0, lo=lo, hi=hi, m_cols=cols, m_rows=rows, m_tiles=blocks_per_row, m_bands=0,
-                             first_sums_item=first_step_item, m_partial_at=0, new_m_at=0, level_sums_at=0,
-                             flag_words_at=0))
+        geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item,
+                             partial_at=partial_at, words_at=0, lo=lo, hi=hi, m_cols=cols, m_rows=rows,
+                             m_tiles=blocks_per_row, m_bands=0, first_sums_item=first_step_item, m_partial_at=0,
+                             new_m_at=0, level_sums_at=0, flag_words_at=0))
         counts.append(tiles * bands)
         step_counts.append(triton.cdiv(rows * blocks_per_row, blocks_per_item))
         first_item += counts[-1]
