@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import state_tensors_bytes
+import smmf
 from smmf import SMMF
 from smmf.functional import write_back_
 from smmf.matrix import square_matricize_shape
@@ -64,6 +65,25 @@ def test_stochastic_rounding_moves_bf16_weights_that_nearest_rounding_freezes(ba
         results[sr] = w.float().mean().item()
     assert results[False] == 1.0  # each update is below half an ulp
     assert results[True] < 0.999
+
+
+def test_recommended_bf16_is_recommended_with_stochastic_rounding_of_bf16_weights_only() -> None:
+    """smmf.RECOMMENDED_BF16 moves bf16 weights that smmf.RECOMMENDED's round to nearest freezes, and steps fp32
+    weights exactly as smmf.RECOMMENDED does."""
+    assert smmf.RECOMMENDED_BF16 == {**smmf.RECOMMENDED, "stochastic_rounding": True}
+    ends = {}
+    for name, options in (("recommended", smmf.RECOMMENDED), ("bf16", smmf.RECOMMENDED_BF16)):
+        for dtype in (torch.bfloat16, torch.float32):
+            w = torch.nn.Parameter(torch.ones(32, 32, dtype=dtype))
+            opt = SMMF([w], lr=1e-4, **options)
+            for _ in range(30):
+                w.grad = torch.ones_like(w)
+                opt.step()
+            ends[name, dtype] = w.detach().clone()
+    assert torch.equal(ends["recommended", torch.bfloat16], torch.ones(32, 32, dtype=torch.bfloat16))
+    assert ends["bf16", torch.bfloat16].float().mean().item() < 0.999
+    assert torch.equal(ends["recommended", torch.float32], ends["bf16", torch.float32])
+    assert ends["bf16", torch.float32].mean().item() < 0.999
 
 
 _NUMBA = "numba" in __import__("smmf.kernels", fromlist=["x"]).available_backends()

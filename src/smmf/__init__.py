@@ -2,7 +2,7 @@
 
 from . import memory
 from .backward import StepInBackward, step_in_backward
-from .optimizer import RECOMMENDED, SMMF
+from .optimizer import RECOMMENDED, RECOMMENDED_BF16, SMMF
 
-__all__ = ["RECOMMENDED", "SMMF", "memory", "step_in_backward", "StepInBackward", "__version__"]
+__all__ = ["RECOMMENDED", "RECOMMENDED_BF16", "SMMF", "memory", "step_in_backward", "StepInBackward", "__version__"]
 __version__ = "0.3.0.dev0"  # the one place the version is written (pyproject.toml reads it)

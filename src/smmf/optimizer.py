@@ -42,7 +42,7 @@ from .state import (
 if TYPE_CHECKING:
     from .backward import StepInBackward
 
-__all__ = ["RECOMMENDED", "SMMF"]
+__all__ = ["RECOMMENDED", "RECOMMENDED_BF16", "SMMF"]
 
 ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
@@ -55,6 +55,11 @@ we measured it keeps AdamW's loss where the paper's code does not; for CNNs ``di
 decay_rate=-0.5)`` is the steadier choice. The evidence, with the tasks each setting was chosen and confirmed on:
 docs/beyond-the-paper.md, docs/high-lr.md, docs/momentum-diagnosis.md. The default of ``SMMF`` stays the paper's
 algorithm. A plain dict: take ``dict(smmf.RECOMMENDED)`` to change it."""
+RECOMMENDED_BF16: dict[str, Any] = {**RECOMMENDED, "stochastic_rounding": True}
+"""``smmf.RECOMMENDED`` for bf16 weights stepped without an fp32 copy: the same options, and each updated weight
+rounded to bf16 stochastically (round to nearest loses every update under half a bf16 ulp of the weight; the
+rounding leaves fp32 and fp64 weights alone). The quality it keeps against fp32 weights, per task and phase of
+training, and the bytes per parameter: docs/training.md."""
 WEIGHT_DECAY_MODES = ("adamw", "adam")
 NONFINITE_GRADS = ("zero", "propagate")
 # Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
