@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +27,13 @@ BACKEND_DEVICE = {"torch": "cpu", "numba": "cpu", "triton": "cuda"}
 FUSED_BACKENDS = [b for b in available_backends() if b not in ("auto", "torch")]
 CPU_FUSED_BACKENDS = [b for b in FUSED_BACKENDS if BACKEND_DEVICE[b] == "cpu"]
 HAS_CUDA = torch.cuda.is_available()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

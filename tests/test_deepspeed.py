@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deepspeed_workers as workers
-from helpers import deepspeed_shm_removed
+from helpers import deepspeed_shm_removed, free_port
 import smmf
 from smmf.matrix import square_matricize_shape
 
@@ -34,14 +33,9 @@ RECOMMENDED = dict(smmf.RECOMMENDED)
 UPDATE_TOLERANCE = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _battery(tmp_path: Path, world: int, jobs: list) -> dict:
-    port = _free_port()
+    port = free_port()
     with deepspeed_shm_removed(port):
         mp.start_processes(workers.battery, args=(world, port, str(tmp_path), jobs), nprocs=world, join=True,
                            start_method="spawn")
@@ -65,7 +59,7 @@ def one_thread():
 def test_the_reproducer_factorizes_each_tensor_not_the_flat_buffer(tmp_path) -> None:
     """The reproducer of the bug: ZeRO-2 handed SMMF one flat buffer of all 9610 params, which it factorized as a
     155×62 matrix. Each param's state now has its own factors, laid out as on one device."""
-    port = _free_port()
+    port = free_port()
     script = textwrap.dedent(f"""
         import os, sys, torch
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1",

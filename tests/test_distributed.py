@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import sys
 
 import pytest
@@ -13,16 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dist_workers
+from helpers import free_port
 from smmf.kernels import available_backends
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # On Linux, ranks fork from a server process that has imported torch and smmf once (multiprocessing's
@@ -38,7 +32,7 @@ if _START == "forkserver":
 
 def _ranks(worker, world: int, *args, start_method: str = _START) -> None:
     """``worker(rank, world, port, *args)`` on ``world`` ranks, until every one has returned."""
-    mp.start_processes(worker, args=(world, _free_port(), *args), nprocs=world, join=True, start_method=start_method)
+    mp.start_processes(worker, args=(world, free_port(), *args), nprocs=world, join=True, start_method=start_method)
 
 
 def _spawn(worker, tmp_path, *extra, start_method: str = _START) -> None:

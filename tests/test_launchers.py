@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,21 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import deepspeed_shm_removed
+from helpers import deepspeed_shm_removed, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _launch(out: Path, launcher: str, script: str, *flags: str) -> dict:
     """Run ``examples/<script>`` in 2 processes; what its rank 0 wrote with ``--params``."""
-    port = str(_free_port())
+    port = str(free_port())
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", port]

@@ -77,8 +77,6 @@ _TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum"
 _IN_BACKWARD_UNDER_DEEPSPEED = (
     "the step inside backward cannot run under DeepSpeed ZeRO: ZeRO steps the optimizer itself, on flat buffers of "
     "the parameters, after its own gradient reduction. Remove step_in_backward and let the engine step")
-# The packed bits of M (its signs, the magnitude flag): by rows of the parameter in FSDP2 checkpoints.
-_BIT_KEYS = BIT_FIELDS
 # A graph break under torch.compile, in the lazy form torch's own optimizers use: it imports dynamo at the first
 # call, where ``torch.compiler.disable`` imports it as it decorates, which slowed ``import smmf`` (docs/design.md),
 # and dynamo never traces into it. The public decorator where a torch lacks it.
@@ -657,7 +655,7 @@ class SMMF(Optimizer):
         states = state_dict["state"] = dict(state_dict["state"])  # the entries stay the live state's
         for param, pid in self._saved_params(state_dict):
             if pid in states and has_rows_layout(param):
-                states[pid] = {key: bits_for_checkpoint(value, param) if key in _BIT_KEYS else value
+                states[pid] = {key: bits_for_checkpoint(value, param) if key in BIT_FIELDS else value
                                for key, value in states[pid].items()}
         return state_dict
 
@@ -684,7 +682,7 @@ class SMMF(Optimizer):
             if not isinstance(entry, dict):
                 continue
             info = shard_info(param)
-            for key in _BIT_KEYS & entry.keys():
+            for key in BIT_FIELDS & entry.keys():
                 value = entry[key]
                 if not isinstance(value, Tensor):
                     continue
