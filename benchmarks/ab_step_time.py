@@ -1,5 +1,6 @@
-"""Interleaved A/B of the fused CPU step between two commits, on the 52M GPT-2-like shape set
-(``--set resnet50``: ResNet-50's, many small tensors).
+"""Interleaved A/B of the fused CPU step between two commits (or more: each against the first), on the 52M
+GPT-2-like shape set (``--set resnet50``: ResNet-50's, many small tensors), under SMMF's defaults or
+``--optimizer`` (an expression of ``params``).
 
 Each commit is checked out into a temporary worktree; rounds alternate between them (ABBA: which
 goes first alternates too), each a fresh process (warm numba cache: one untimed process per commit first) timing the median of ``--steps``
@@ -7,6 +8,7 @@ SMMF steps after 3 warm-up steps. Prints every round's medians, their median per
 ratio. Run on a quiet machine; name the CPU with the figures.
 
     python benchmarks/ab_step_time.py 469c2fd HEAD --rounds 6 --steps 15
+    python benchmarks/ab_step_time.py 469c2fd HEAD --optimizer "SMMF(params, **smmf.RECOMMENDED)"
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ print(json.dumps({"median_s": statistics.median(times), "from": smmf.__file__}))
 """
 
 
-def _time(tree: Path, steps: int) -> float:
+def _time(tree: Path, steps: int, optimizer: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(steps)], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(steps), optimizer], env=env, capture_output=True,
+                         text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["from"].startswith(str(tree)), f"imported {result['from']}, not the worktree's smmf"
     return result["median_s"]
@@ -75,22 +78,26 @@ SETS = {"gpt2-52M": "gpt2_like_shapes", "resnet50": "resnet50_shapes"}
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("before")
-    parser.add_argument("after")
+    parser.add_argument("commits", nargs="+", help="two or more commits; each is compared with the first")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--set", choices=list(SETS), default="gpt2-52M")
+    parser.add_argument("--optimizer", default="SMMF(params, lr=1e-3)", help="an expression of params")
     args = parser.parse_args()
+    if len(args.commits) < 2:
+        parser.error("give two or more commits")
     os.environ["AB_SHAPES"] = SETS[args.set]
-    with tempfile.TemporaryDirectory() as tmp, checked_out([args.before, args.after], Path(tmp)) as trees:
+    with tempfile.TemporaryDirectory() as tmp, checked_out(args.commits, Path(tmp)) as trees:
         for tree in trees.values():
-            _time(tree, 1)  # compile and cache the kernels
-        medians = interleaved_rounds({name: partial(_time, tree, args.steps) for name, tree in trees.items()},
-                                     args.rounds)
+            _time(tree, 1, args.optimizer)  # compile and cache the kernels
+        medians = interleaved_rounds(
+            {name: partial(_time, tree, args.steps, args.optimizer) for name, tree in trees.items()}, args.rounds)
         summary = {name: statistics.median(m) for name, m in medians.items()}
         print(", ".join(f"{n}: median {s * 1e3:.1f} ms, best {min(medians[n]) * 1e3:.1f} ms"
                         for n, s in summary.items()))
-        print(f"{args.after} / {args.before}: {summary[args.after] / summary[args.before]:.3f}")
+        first = args.commits[0]
+        for commit in args.commits[1:]:
+            print(f"{commit} / {first}: {summary[commit] / summary[first]:.3f}")
     return 0
 
 

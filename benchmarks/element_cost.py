@@ -6,12 +6,14 @@
    loop with neither.
 
     python benchmarks/element_cost.py
+    python benchmarks/element_cost.py --threads 1 --optimizer "SMMF(params, **smmf.RECOMMENDED)" --launch-only
 
 Run on a quiet machine; name the CPU with the figures.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -19,6 +21,7 @@ import numba
 import numpy as np
 import torch
 
+import smmf
 from smmf import SMMF
 from smmf.kernels.numba_cpu import host
 from smmf.kernels.numba_cpu.cache import FASTMATH
@@ -50,20 +53,22 @@ def _median_ns_per_element(step, numel: int, repeats: int = 30) -> float:
     return statistics.median(times) / numel * 1e9
 
 
-def own_launch_by_size() -> None:
-    print(f"own launch, {numba.get_num_threads()} threads: elements, V's view, SMMF ns/element, axpy ns/element")
+def own_launch_by_size(optimizer: str = "SMMF(params)") -> None:
+    print(f"own launch of {optimizer}, {numba.get_num_threads()} threads: "
+          "elements, V's view, SMMF ns/element, axpy ns/element")
     for side in (1024, 1536, 2048, 4096):
         numel = side * side
         param = torch.nn.Parameter(torch.randn(numel))
         param.grad = torch.randn_like(param)
-        opt = SMMF([param])
+        params = [param]
+        opt = eval(optimizer, {"SMMF": SMMF, "smmf": smmf, "params": params})
         opt.step()
         group = opt.param_groups[0]
         cfg = opt._step_config(group, 2, momentum_code(param, group))
-        smmf = _median_ns_per_element(lambda: host.own_launch(param, param.grad, opt.state[param], cfg), numel)
+        smmf_ns = _median_ns_per_element(lambda: host.own_launch(param, param.grad, opt.state[param], cfg), numel)
         x, y = torch.randn(numel), torch.randn(numel)
         axpy = _median_ns_per_element(lambda: x.add_(y, alpha=1e-3), numel)
-        print(f"{numel:>9}  {side} × {side}  {smmf:.3f}  {axpy:.3f}")
+        print(f"{numel:>9}  {side} × {side}  {smmf_ns:.3f}  {axpy:.3f}")
 
 
 def divider_in_l1(numel: int = 1024, reps: int = 20000) -> None:
@@ -78,5 +83,14 @@ def divider_in_l1(numel: int = 1024, reps: int = 20000) -> None:
 
 
 if __name__ == "__main__":
-    own_launch_by_size()
-    divider_in_l1()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, help="torch's and numba's thread count (default: numba's)")
+    parser.add_argument("--optimizer", default="SMMF(params)", help="an expression of params (smmf imported)")
+    parser.add_argument("--launch-only", action="store_true", help="skip the square-root-and-division loop")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        numba.set_num_threads(args.threads)
+    own_launch_by_size(args.optimizer)
+    if not args.launch_only:
+        divider_in_l1()

@@ -43,23 +43,25 @@ def finite_or_cap(x, cap):
 
 
 @numba.njit(**_MATH)
-def element(w, g, col_v, rv, sc, keep_bad, zero):
+def element(w, g, col_v, rv, sc, keep_bad, zero, l2_decay):
     """One element's decayed weight, prepared gradient and this step's V; and whether the raw
-    gradient was finite (NaN/inf become 0 unless ``keep_bad``)."""
+    gradient was finite (NaN/inf become 0 unless ``keep_bad``). ``l2_decay`` (``sc.l2 != 0``) is a constant
+    of each loop that calls this: each loop is compiled once per case (its public function tests the case and
+    calls the loop), as a test inside the loop split its body and spilled loop constants to the stack."""
     wj = w * sc.shrink
     graw = g * sc.gsign
     finite = abs(graw) <= sc.big  # False for NaN
     gj = graw if finite | keep_bad else zero  # bitwise: no branch in the loop
     # Only L2 decay reads the weight: 0·W would make a NaN or infinite weight a NaN gradient.
-    gj = gj + sc.l2 * wj if sc.l2 != 0 else gj
+    gj = gj + sc.l2 * wj if l2_decay else gj
     return wj, gj, sc.beta2 * (rv * col_v) + sc.rest2 * (gj * gj), finite
 
 
 @numba.njit(**_MATH)
-def momentum_element(w, g, nonneg, col_m, col_v, rm, rv, sc, keep_bad, zero):
+def momentum_element(w, g, nonneg, col_m, col_v, rm, rv, sc, keep_bad, zero, l2_decay):
     """One element's step with the paper's code of M: its new weight, sign (0/1), capped |M| and V for
     the sums, and whether its gradient was finite."""
-    wj, gj, vj, finite = element(w, g, col_v, rv, sc, keep_bad, zero)
+    wj, gj, vj, finite = element(w, g, col_v, rv, sc, keep_bad, zero, l2_decay)
     mag = rm * col_m
     mj = sc.beta1 * (mag if nonneg else -mag) + sc.rest1 * gj
     return wj - sc.lr * (mj / (math.sqrt(vj) + sc.eps)), mj >= 0, capped(abs(mj), sc.cap), capped(vj, sc.cap), finite
@@ -69,6 +71,13 @@ def momentum_element(w, g, nonneg, col_m, col_v, rm, rv, sc, keep_bad, zero):
 def run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc, zero_nonfinite):
     """One run; ``nonneg`` holds its stored sign bits as 0/1 and gets the new ones. Returns the run's
     capped sums of |M| and V and the NaN/inf elements met."""
+    if sc.l2 != 0:
+        return _run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc, zero_nonfinite, True)
+    return _run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc, zero_nonfinite, False)
+
+
+@numba.njit(**_MATH)
+def _run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc, zero_nonfinite, l2_decay):
     zero = sc.beta2 - sc.beta2
     sum_m = zero
     sum_v = zero
@@ -76,7 +85,7 @@ def run_with_momentum(wrow, grow, nonneg, col_m, col_v, acc_m, acc_v, rm, rv, sc
     keep_bad = not zero_nonfinite
     for j in range(wrow.shape[0]):
         wrow[j], nonneg[j], a, vs, finite = momentum_element(wrow[j], grow[j], nonneg[j], col_m[j], col_v[j], rm, rv,
-                                                             sc, keep_bad, zero)
+                                                             sc, keep_bad, zero, l2_decay)
         any_bad |= not finite
         sum_m += a
         sum_v += vs
@@ -91,6 +100,16 @@ def run_pair_with_momentum(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m
     """Two rows' runs over the same columns of M's and V's view: :func:`run_with_momentum` of each, in
     one loop that loads each column factor and reads and writes each column sum once for both. Returns
     each row's sums of |M| and V, and the NaN/inf elements met in both."""
+    if sc.l2 != 0:
+        return _run_pair(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m, acc_v, rm0, rv0, rm1, rv1, sc,
+                         zero_nonfinite, True)
+    return _run_pair(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m, acc_v, rm0, rv0, rm1, rv1, sc,
+                     zero_nonfinite, False)
+
+
+@numba.njit(**_MATH)
+def _run_pair(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m, acc_v, rm0, rv0, rm1, rv1, sc, zero_nonfinite,
+              l2_decay):
     zero = sc.beta2 - sc.beta2
     sum_m0 = zero
     sum_v0 = zero
@@ -101,9 +120,9 @@ def run_pair_with_momentum(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m
     for j in range(w0.shape[0]):
         cm, cv = col_m[j], col_v[j]
         w0[j], nonneg0[j], a0, vs0, finite0 = momentum_element(w0[j], g0[j], nonneg0[j], cm, cv, rm0, rv0, sc,
-                                                               keep_bad, zero)
+                                                               keep_bad, zero, l2_decay)
         w1[j], nonneg1[j], a1, vs1, finite1 = momentum_element(w1[j], g1[j], nonneg1[j], cm, cv, rm1, rv1, sc,
-                                                               keep_bad, zero)
+                                                               keep_bad, zero, l2_decay)
         any_bad |= not (finite0 & finite1)
         sum_m0 += a0
         sum_v0 += vs0
@@ -117,13 +136,22 @@ def run_pair_with_momentum(w0, g0, nonneg0, w1, g1, nonneg1, col_m, col_v, acc_m
 
 @numba.njit(**_MATH)
 def run_without_momentum(wrow, grow, col_v, acc_v, rv, sc, zero_nonfinite):
+    """One run without a first moment: the weights stepped with G/√V; returns V's capped sum and the NaN/inf
+    elements met."""
+    if sc.l2 != 0:
+        return _run_without_momentum(wrow, grow, col_v, acc_v, rv, sc, zero_nonfinite, True)
+    return _run_without_momentum(wrow, grow, col_v, acc_v, rv, sc, zero_nonfinite, False)
+
+
+@numba.njit(**_MATH)
+def _run_without_momentum(wrow, grow, col_v, acc_v, rv, sc, zero_nonfinite, l2_decay):
     lr, eps, cap = sc.lr, sc.eps, sc.cap
     zero = sc.beta2 - sc.beta2
     sum_v = zero
     any_bad = False
     keep_bad = not zero_nonfinite
     for j in range(wrow.shape[0]):
-        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
+        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero, l2_decay)
         any_bad |= not finite
         vs = capped(vj, cap)
         sum_v += vs
@@ -154,17 +182,16 @@ def flag_fit(mj, estimate, cap, zero):
 
 @numba.njit(**_MATH)
 def flag_run_sums(wrow, grow, nonneg, above, col_m, acc_m, high_coef, low_coef, sc, zero_nonfinite):
-    """First pass over a run of one M row, with L2 decay (it only reads): the capped |M| into
-    ``acc_m`` and the returned row sum. ``wrow`` is only read for L2 decay (``sc.l2 != 0``)."""
+    """First pass over a run of one M row, with L2 decay (it only reads; ``wrow`` for the decay): the capped
+    |M| into ``acc_m`` and the returned row sum."""
     rest1, gsign, shrink, l2, big, cap = sc.rest1, sc.gsign, sc.shrink, sc.l2, sc.big, sc.cap
     zero = rest1 - rest1
     sum_m = zero
     keep_bad = not zero_nonfinite
-    signed_rest1 = rest1 * gsign  # gsign is ±1: (1 − β1)·gsign·G to the bit
     for j in range(grow.shape[0]):
         gj = grow[j]
         gj = gj if (abs(gj) <= big) | keep_bad else zero
-        g_term = rest1 * (gj * gsign + l2 * (wrow[j] * shrink)) if l2 != 0 else signed_rest1 * gj
+        g_term = rest1 * (gj * gsign + l2 * (wrow[j] * shrink))
         a = capped(abs(flagged_momentum(g_term, nonneg[j], above[j], col_m[j], high_coef, low_coef)), cap)
         sum_m += a
         acc_m[j] += a
@@ -183,7 +210,7 @@ def flag_run_update(wrow, grow, nonneg, above, col_m, acc_m, col_v, acc_v, high_
     any_bad = False
     keep_bad = not zero_nonfinite
     for j in range(wrow.shape[0]):
-        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
+        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero, False)
         any_bad |= not finite
         mj = flagged_momentum(rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
         a = capped(abs(mj), cap)
@@ -240,7 +267,7 @@ def flag_run_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, hi
     any_bad = False
     keep_bad = not zero_nonfinite
     for j in range(wrow.shape[0]):
-        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero)
+        wj, gj, vj, finite = element(wrow[j], grow[j], col_v[j], rv, sc, keep_bad, zero, True)
         any_bad |= not finite
         mj = flagged_momentum(rest1 * gj, nonneg[j], above[j], col_m[j], high_coef, low_coef)
         nonneg[j], above[j], fh, eh, fl, el = flag_fit(mj, new_rm * new_col_m[j], cap, zero)

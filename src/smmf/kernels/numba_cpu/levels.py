@@ -140,13 +140,20 @@ def _run_step(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_nonfinite
     capped sums into ``acc_v``. Returns its V row sum and whether every gradient element was finite. (A
     16-entry table of decoded values would save the multiply and select, but its gather stops LLVM from
     vectorizing the loop: 2.4× slower.)"""
+    if sc.l2 != 0:
+        return _run_step_with(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_nonfinite, True)
+    return _run_step_with(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_nonfinite, False)
+
+
+@numba.njit(**dict(_PASS, inline="always"))
+def _run_step_with(wrun, grun, lrun, step, col_v, rv, acc_v, mrun, sc, zero_nonfinite, l2_decay):
     lr, beta1, rest1, eps, cap = sc.lr, sc.beta1, sc.rest1, sc.eps, sc.cap
     zero = sc.beta2 - sc.beta2
     keep_bad = not zero_nonfinite
     sum_v = zero
     any_bad = False
     for j in range(wrun.shape[0]):
-        wj, gj, vj, finite = element(wrun[j], grun[j], col_v[j], rv, sc, keep_bad, zero)
+        wj, gj, vj, finite = element(wrun[j], grun[j], col_v[j], rv, sc, keep_bad, zero, l2_decay)
         any_bad |= not finite
         mj = beta1 * (lrun[j] * step) + rest1 * gj
         mrun[j] = mj
