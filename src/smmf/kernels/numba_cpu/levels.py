@@ -2,9 +2,9 @@
 
 M is coded by rows of the param in blocks of 128 elements, and a block's new scale is its largest new |M|,
 so a block is walked twice, from L1: first every element's step (weight decay, the gradient, V from its
-factors, M from its stored code, V's row and column sums) with M, V and the decayed weight kept in
-block-sized buffers and the block's largest |M| found; then the codes written against the new scale and the
-weights stepped. Blocks of M's rows run on threads; each keeps its own V column sums and the sums of the V
+factors, M from its stored code, V's row and column sums) with M kept in a buffer and the block's largest |M|
+found; then the codes written against the new scale. A row is walked in tiles of 8 blocks, each pass over
+every block of the tile in turn. Blocks of M's rows run on threads; each keeps its own V column sums and the sums of the V
 rows it touches (V's rows, in its square view, do not follow M's), added up after all have run. Each
 line is the counterpart of :func:`smmf.functional._factored_update` under ``MomentumCode.LEVELS``
 (tests/test_fused_kernels.py ties them).
@@ -29,6 +29,10 @@ from .elements import capped, count_bad, element
 from .rows import finish_cols
 
 _PASS: dict[str, Any] = dict(error_model="numpy", fastmath=FASTMATH)
+# A row of M is walked in tiles of this many elements (8 blocks): every block's step first, then every block's codes,
+# so that one block's chain to its codes (its largest |M|, the scale rounded to bf16, a division) overlaps the next
+# blocks' steps instead of stalling the pass.
+TILE = 8 * BLOCK
 
 
 @numba.njit(inline="always")
@@ -232,27 +236,32 @@ def _levels_step(w, g, codes, scales, table, row_v, col_v, col_acc_v, row_acc_v,
         acc_v[:] = 0
         vsums[:] = 0
         v_row0 = (geo.lo + first * cols) // geo.m
-        mbuf = np.empty(BLOCK, dtype=col_v.dtype)
-        wbuf = np.empty(BLOCK, dtype=np.uint32)
-        gbuf = np.empty(BLOCK, dtype=np.uint32)
-        cbuf = np.empty(BLOCK + 1, dtype=np.uint8)
-        lbuf = np.empty(BLOCK + 1, dtype=col_v.dtype)
+        mbuf = np.empty(TILE, dtype=col_v.dtype)
+        wbuf = np.empty(TILE, dtype=np.uint32)
+        gbuf = np.empty(TILE, dtype=np.uint32)
+        cbuf = np.empty(TILE + 1, dtype=np.uint8)
+        lbuf = np.empty(TILE + 1, dtype=col_v.dtype)
+        tops = np.empty(TILE // BLOCK, dtype=col_v.dtype)
         bad = 0
         for r in range(first, end):
-            for c0 in range(0, cols, BLOCK):
-                start, width = r * cols + c0, min(BLOCK, cols - c0)
-                wseg = load(w, start, width, wbuf)
-                gseg = load(g, start, width, gbuf)
-                unpack_codes(codes[r], c0, width, lbuf)
-                top, all_finite = _block_step(
-                    wseg, gseg, lbuf, scale_value(scales[r, c0 // BLOCK], one), table, col_v, row_v, acc_v,
-                    vsums, v_row0, geo.lo + start, mbuf[:width], sc, opts.zero_nonfinite)
-                if not all_finite:
-                    bad += count_bad(gseg, sc.big)
-                stored = scale_bits(top)
-                scales[r, c0 // BLOCK] = stored
-                _codes_of(cbuf[:width], scale_value(stored, one), table, mbuf[:width], geo.lo + start, geo)
-                pack_codes(codes[r], c0, width, cbuf)
+            for t0 in range(0, cols, TILE):
+                start, tile_width = r * cols + t0, min(TILE, cols - t0)
+                wseg = load(w, start, tile_width, wbuf)
+                gseg = load(g, start, tile_width, gbuf)
+                unpack_codes(codes[r], t0, tile_width, lbuf)
+                for k0 in range(0, tile_width, BLOCK):  # each block's step and largest |M|
+                    run = slice(k0, min(tile_width, k0 + BLOCK))
+                    tops[k0 // BLOCK], all_finite = _block_step(
+                        wseg[run], gseg[run], lbuf[run], scale_value(scales[r, (t0 + k0) // BLOCK], one), table,
+                        col_v, row_v, acc_v, vsums, v_row0, geo.lo + start + k0, mbuf[run], sc, opts.zero_nonfinite)
+                    if not all_finite:
+                        bad += count_bad(gseg[run], sc.big)
+                for k0 in range(0, tile_width, BLOCK):  # then each block's codes against its new scale
+                    run = slice(k0, min(tile_width, k0 + BLOCK))
+                    stored = scale_bits(tops[k0 // BLOCK])
+                    scales[r, (t0 + k0) // BLOCK] = stored
+                    _codes_of(cbuf[run], scale_value(stored, one), table, mbuf[run], geo.lo + start + k0, geo)
+                pack_codes(codes[r], t0, tile_width, cbuf)
                 store(w, start, wseg, opts.stochastic_rounding, opts.rounding_key + geo.lo + start)
         bad_counts[b] = bad
     # V's new factors from the blocks' sums (the old ones were read until here); a shard's raw sums.
