@@ -33,7 +33,6 @@ RECOMMENDED = dict(smmf.RECOMMENDED)
 UPDATE_TOLERANCE = 1e-5
 
 
-
 def _battery(tmp_path: Path, world: int, jobs: list) -> dict:
     port = free_port()
     with deepspeed_shm_removed(port):

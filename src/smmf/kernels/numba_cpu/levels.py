@@ -4,8 +4,8 @@ M is coded by rows of the param in blocks of 128 elements, and a block's new sca
 so a block is walked twice, from L1: first every element's step (weight decay, the gradient, V from its
 factors, M from its stored code, V's row and column sums) with M kept in a buffer and the block's largest |M|
 found; then the codes written against the new scale. A row is walked in tiles of 8 blocks, each pass over
-every block of the tile in turn. Blocks of M's rows run on threads; each keeps its own V column sums and the sums of the V
-rows it touches (V's rows, in its square view, do not follow M's), added up after all have run. Each
+every block of the tile in turn. Blocks of M's rows run on threads; each keeps its own V column sums and the sums
+of the V rows it touches (V's rows, in its square view, do not follow M's), added up after all have run. Each
 line is the counterpart of :func:`smmf.functional._factored_update` under ``MomentumCode.LEVELS``
 (tests/test_fused_kernels.py ties them).
 """
