@@ -58,8 +58,10 @@ def main() -> None:
 
         return run
 
-    for table in ("KERNELS", "FLAG_KERNELS", "LEVELS_KERNELS"):  # the codes of M that launch a tensor alone
-        setattr(host, table, {parallel: timed("own", kernel) for parallel, kernel in getattr(host, table).items()})
+    # The launches a tensor takes alone: each code's kernels, and the levels code's.
+    for code, kernels in host.KERNELS.items():
+        host.KERNELS[code] = {parallel: timed("own", kernel) for parallel, kernel in kernels.items()}
+    host.LEVELS_KERNELS = {parallel: timed("own", kernel) for parallel, kernel in host.LEVELS_KERNELS.items()}
     host.many_blocks_kernel = timed("blocks", host.many_blocks_kernel)
     host.many_kernel = timed("many", host.many_kernel)
     optimizer._mark_written = timed("bumps", optimizer._mark_written)  # autograd's version bumps, after the kernels
