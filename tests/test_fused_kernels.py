@@ -10,7 +10,7 @@ import torch
 
 from helpers import (FUSED_BACKENDS, ZOO_SHAPES, copied_state, copy_state_, device_of, reconstruct_state,
                      run_script, state_tensors_bytes, updates_close)
-from smmf import SMMF
+from smmf import RECOMMENDED, SMMF
 from smmf.dispatch import step_kernel
 from smmf.kernels import available_backends, check_backend
 from smmf.functional import torch_step_
@@ -202,6 +202,44 @@ def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for
         monkeypatch.undo()
         monkeypatch.setattr(host, "many_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
         _assert_as_alone_and_near_own(opt, together, singles, alone, own)
+
+
+@pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
+@pytest.mark.parametrize("config", [dict(RECOMMENDED, weight_decay=0.1),
+                                    dict(magnitude_bits=3, weight_decay=0.01, weight_decay_mode="adam", maximize=True)],
+                         ids=["recommended", "levels-nearest-l2"])
+def test_small_levels_tensors_share_one_launch_and_match_their_own_launches(monkeypatch, config) -> None:
+    """Small fp32 tensors of the levels code go through one launch per step (their own launches cost the host
+    more than their steps); each is updated exactly as its own serial launch updates it (the same compiled kernel
+    per tensor) and, where no dither tells params apart by their place, as that launch with it alone (the step
+    inside backward); a NaN gradient element is zeroed."""
+    from smmf.kernels.numba_cpu import host
+
+    launches = []
+    many = host.many_levels_kernel
+    monkeypatch.setattr(host, "many_levels_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
+    shapes = [(64, 64), (7,), (33, 5), (100, 200), (3, 3, 3, 3), (2, 2), (1, 300)]
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(s, generator=gen) for s in shapes]
+    together, alone, own = ([torch.nn.Parameter(b.clone()) for b in base] for _ in range(3))
+    opt, own_opt = SMMF(together, backend="numba", **config), SMMF(own, backend="numba", **config)
+    singles = [SMMF([p], backend="numba", **config) for p in alone]
+    grads = [[torch.randn(p.shape, generator=gen) for p in together] for _ in range(3)]
+    grads[1][3][5, 7] = float("nan")
+    for step_grads in grads:
+        _step_with(together, [opt], step_grads)
+        _step_with(alone, singles, step_grads)
+    assert launches == ([len(shapes)] + [1] * len(shapes)) * 3  # one launch per step, alone or shared
+    monkeypatch.setattr(host, "takes_many_levels", lambda *args: False)  # each tensor's own launch
+    for step_grads in grads:
+        _step_with(own, [own_opt], step_grads)
+    assert len(launches) == 3 * (len(shapes) + 1)
+    dithered = config.get("momentum_rounding") == "stochastic"  # a param's dither depends on its place
+    for p, q, r, single in zip(together, alone, own, singles):
+        _assert_stepped_alike(opt, p, own_opt, r)
+        if not dithered:
+            _assert_stepped_alike(opt, p, single, q)
+    assert torch.isfinite(together[3]).all()
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")

@@ -21,7 +21,7 @@ from ...state import (CODES_M, COL_M, COL_V, ROW_M, ROW_V, SCALES_M, MomentumCod
 from ...schema import SCHEMA
 from ..contract import FlagPass, LevelsEnds, StepItem
 from . import flag, none, sign
-from .launches import ADDRESS, many_blocks_kernel, many_kernel
+from .launches import ADDRESS, LEVELS_ADDRESS, many_blocks_kernel, many_kernel, many_levels_kernel
 from .levels import LEVELS_KERNELS, level_table, levels_piece_ends_kernel, levels_piece_kernel, touched_v_rows
 from .rows import SCRATCH_PAD, m_rows_touched
 from .structs import FlagPasses, Geometry, LevelsGeometry, Options, PieceGeometry, Scalars
@@ -275,6 +275,36 @@ def takes_many(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
     return 0 < param.numel() < PARALLEL_MIN_NUMEL and _plain_fp32(param, state, cfg)
 
 
+def takes_many_levels(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
+    """Small contiguous fp32 tensors of the levels code with fp32 state: they share one launch
+    (:func:`many_levels_kernel`), one tensor per thread at a time."""
+    return (cfg.code is MomentumCode.LEVELS and 0 < param.numel() < PARALLEL_MIN_NUMEL
+            and param.dtype == torch.float32 and param.is_contiguous() and state[ROW_V].dtype == torch.float32)
+
+
+def _many_levels_launch(items: Sequence[StepItem]) -> int:
+    """The steps of :func:`takes_many_levels`' tensors in one launch."""
+    addresses, sizes, flags, numbers, alive = [], [], [], [], []
+    for param, grad, state, cfg in items:
+        rows, cols, cap = _fp32_geometry(param.numel())
+        grad = grad.to(torch.float32).contiguous()
+        alive.append(grad)
+        row = [param.data_ptr(), grad.data_ptr(), *[0] * len(LEVELS_ADDRESS)]
+        for key, at in LEVELS_ADDRESS.items():
+            row[at] = state[key].data_ptr()
+        addresses.append(row)
+        sizes.append((rows, cols, *levels_rows_cols(state[CODES_M], param.numel())))
+        flags.append((cfg.zero_nonfinite, cfg.levels_salt is not None, cfg.levels_salt or 0))
+        # Each param has its own salt: the group's numbers are keyed without it.
+        numbers.append((*_group_scalars(cfg.for_param(None, None), torch.float32), cap))
+    bad_counts = np.zeros(len(items), dtype=np.int64)
+    with PARALLEL_LAUNCH:
+        many_levels_kernel(np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                           np.array(numbers, dtype=np.float32), np.array(flags, dtype=np.int64),
+                           level_table(np.float32), bad_counts)
+    return sum(int(count) for count, (*_, cfg) in zip(bad_counts, items) if cfg.zero_nonfinite)
+
+
 # Plain fp32 tensors from PARALLEL_MIN_NUMEL up to this many elements share the blocks launch. A larger one
 # keeps a launch of its own: there the launch costs under 5% of its step, and its factors are finished while
 # its sums are still in cache (the 52M set all in one launch stepped 2–4% slower than in its own launches).
@@ -410,20 +440,25 @@ def _blocks_launch(items: Sequence[StepItem]) -> int:
 
 def steps_(items: Sequence[StepItem]) -> int:
     """The steps of many tensors: the small plain fp32 ones in one launch (:func:`many_kernel`), the
-    mid-sized ones in another (:func:`many_blocks_kernel`), each also when alone; the rest one by one."""
+    mid-sized ones in another (:func:`many_blocks_kernel`), the levels code's small fp32 ones in a third
+    (:func:`many_levels_kernel`), each also when alone; the rest one by one."""
     follow_torch_threads()
     bad = 0
-    tables, sizes, large, own = _SharedTables(), [], [], []
+    tables, sizes, large, small_levels, own = _SharedTables(), [], [], [], []
     for item in items:
         param, grad, state, cfg = item
         if takes_blocks(param, state, cfg):
             large.append(item)
         elif takes_many(param, state, cfg):
             sizes.append(tables.add(param, grad, state, cfg))
+        elif takes_many_levels(param, state, cfg):
+            small_levels.append(item)
         else:
             own.append(item)
     if large:
         bad += _blocks_launch(large)
+    if small_levels:
+        bad += _many_levels_launch(small_levels)
     if sizes:
         addresses, scalars, flags = tables.arrays()
         bad_counts = np.zeros(len(sizes), dtype=np.int64)

@@ -1,6 +1,7 @@
 """The launches of many tensors on CPU: small fp32 tensors (one tensor per thread at a time) and mid-sized ones
 (every block of rows of every tensor in one parallel loop), of the paper's code or without a first moment, each
-tensor stepped by its code's pass (:mod:`.sign`, :mod:`.none`).
+tensor stepped by its code's pass (:mod:`.sign`, :mod:`.none`); and small fp32 tensors of the levels code, one
+tensor per thread at a time (:mod:`.levels`).
 
 Per tensor t of a launch, rows of tables the host lays out (``host._SharedTables``): ``addresses[t]``, the data
 addresses of the weight, the gradient and the paper's code's state arrays in the schema's order (0 for those a code
@@ -16,16 +17,23 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from ...levels import BLOCK
 from ...schema import SCHEMA, MomentumCode
 from . import none, sign
 from .cache import KERNEL_OPTIONS, cached_njit
+from .levels import LEVELS_KERNELS, touched_v_rows
 from .rows import block_rows, finish_cols, m_rows_touched
-from .structs import Geometry, Options, scalars_of
+from .structs import Geometry, LevelsGeometry, Options, scalars_of
 
 # Where each array's address is in a row of ``addresses``: the weight, the gradient, then the paper's code's state.
 _W, _G = 0, 1
 ADDRESS = {field.key: 2 + i for i, field in enumerate(SCHEMA[MomentumCode.SIGN])}
 _ROW_M, _COL_M, _SIGN_M, _ROW_V, _COL_V = (ADDRESS[key] for key in ("row_m", "col_m", "sign_m", "row_v", "col_v"))
+# The same for the levels code's launch: the weight, the gradient, then the levels code's state.
+LEVELS_ADDRESS = {field.key: 2 + i for i, field in enumerate(SCHEMA[MomentumCode.LEVELS])}
+_CODES_M, _SCALES_M, _LEVELS_ROW_V, _LEVELS_COL_V = (LEVELS_ADDRESS[key]
+                                                     for key in ("codes_m", "scales_m", "row_v", "col_v"))
+_levels_serial = LEVELS_KERNELS[False]
 
 
 @intrinsic
@@ -70,6 +78,29 @@ def many_kernel(addresses, sizes, scalars, flags, bad_counts):
         else:
             none.kernel_serial(w, g, row_v, col_v, np.empty((1, m), dtype=np.float32), bad, geo, opts,
                                scalars_of(scalars[t]))
+        bad_counts[t] = bad[0]
+
+
+# Cached, and like many_kernel taken by every tensor that the host's ``takes_many_levels`` accepts, alone or with
+# others.
+@cached_njit(parallel=True, **KERNEL_OPTIONS)
+def many_levels_kernel(addresses, sizes, scalars, flags, table, bad_counts):
+    """The steps of small fp32 tensors under the levels code in one launch, one tensor per thread at a time, each
+    one call of the levels code's serial kernel: their own launches cost the host more than their steps (ResNet-50
+    has 119 such tensors). ``addresses[t]``: :data:`LEVELS_ADDRESS`; ``sizes[t]`` = (V's n, m, M's rows, cols);
+    ``flags[t]`` = (zero_nonfinite, the levels' dither, its salt at this step); ``table``:
+    :func:`~.levels.level_table`."""
+    for t in numba.prange(addresses.shape[0]):
+        n, m, rows, cols = sizes[t, 0], sizes[t, 1], sizes[t, 2], sizes[t, 3]
+        a = addresses[t]
+        codes = numba.carray(_address(a[_CODES_M]), (rows, (cols + 1) // 2), np.uint8)
+        scales = numba.carray(_address(a[_SCALES_M]), (rows, (cols + BLOCK - 1) // BLOCK), np.int16)
+        geo = LevelsGeometry(n, m, rows, cols, 0, rows, flags[t, 1] != 0, flags[t, 2])
+        bad = np.zeros(1, dtype=np.int64)
+        _levels_serial(_float_array(a[_W], n * m), _float_array(a[_G], n * m), codes, scales, table,
+                       _float_array(a[_LEVELS_ROW_V], n), _float_array(a[_LEVELS_COL_V], m),
+                       np.empty((1, m), dtype=np.float32), np.empty((1, touched_v_rows(rows, cols, m)), dtype=np.float32),
+                       bad, geo, Options(False, flags[t, 0] != 0, True, 0), scalars_of(scalars[t]))
         bad_counts[t] = bad[0]
 
 

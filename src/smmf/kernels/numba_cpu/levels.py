@@ -12,6 +12,7 @@ line is the counterpart of :func:`smmf.functional._factored_update` under ``Mome
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -53,9 +54,11 @@ def scale_bits(top):
     return bf16_bits(nearest_even(np.float32(top).view(np.uint32)))
 
 
+@functools.lru_cache(maxsize=None)
 def level_table(dtype: Any) -> np.ndarray:
     """The numbers of the code in the work dtype, so that the kernel computes in it as the torch path does
-    (numba would widen an fp32 times a Python number to fp64): ⅐, 7, 0.5 and the largest scale."""
+    (numba would widen an fp32 times a Python number to fp64): ⅐, 7, 0.5 and the largest scale. Made once per
+    dtype (the kernels only read it)."""
     return np.array([SEVENTH, TOP_LEVEL, 0.5, SCALE_MAX], dtype=dtype)
 
 
