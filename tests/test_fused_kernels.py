@@ -205,19 +205,24 @@ def test_small_cpu_tensors_share_one_launch_and_match_their_own_launches_bit_for
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")
-@pytest.mark.parametrize("config", [dict(RECOMMENDED, weight_decay=0.1),
-                                    dict(magnitude_bits=3, weight_decay=0.01, weight_decay_mode="adam", maximize=True)],
-                         ids=["recommended", "levels-nearest-l2"])
-def test_small_levels_tensors_share_one_launch_and_match_their_own_launches(monkeypatch, config) -> None:
-    """Small fp32 tensors of the levels code go through one launch per step (their own launches cost the host
-    more than their steps); each is updated exactly as its own serial launch updates it (the same compiled kernel
-    per tensor) and, where no dither tells params apart by their place, as that launch with it alone (the step
-    inside backward); a NaN gradient element is zeroed."""
+@pytest.mark.parametrize("config, launch", [
+    (dict(RECOMMENDED, weight_decay=0.1), "levels"),
+    (dict(magnitude_bits=3, weight_decay=0.01, weight_decay_mode="adam", maximize=True), "levels"),
+    (dict(magnitude_bits=1, weight_decay=0.1), "flag"),
+    (dict(magnitude_bits=1, weight_decay=0.01, weight_decay_mode="adam", momentum_shape="natural"), "flag")],
+    ids=["recommended", "levels-nearest-l2", "flag", "flag-l2-natural"])
+def test_small_levels_and_flag_tensors_share_one_launch_and_match_their_own_launches(monkeypatch, config,
+                                                                                     launch) -> None:
+    """Small fp32 tensors of the levels code, and of the magnitude flag, go through one launch per step (their
+    own launches cost the host more than their steps); each is updated exactly as its own serial launch updates
+    it (the same compiled kernel per tensor) and, where no dither tells params apart by their place, as that
+    launch with it alone (the step inside backward); a NaN gradient element is zeroed."""
     from smmf.kernels.numba_cpu import host
 
     launches = []
-    many = host.many_levels_kernel
-    monkeypatch.setattr(host, "many_levels_kernel", lambda *args: launches.append(args[0].shape[0]) or many(*args))
+    many = getattr(host, f"many_{launch}_kernel")
+    monkeypatch.setattr(host, f"many_{launch}_kernel",
+                        lambda *args: launches.append(args[0].shape[0]) or many(*args))
     shapes = [(64, 64), (7,), (33, 5), (100, 200), (3, 3, 3, 3), (2, 2), (1, 300)]
     gen = torch.Generator().manual_seed(5)
     base = [torch.randn(s, generator=gen) for s in shapes]
@@ -230,7 +235,7 @@ def test_small_levels_tensors_share_one_launch_and_match_their_own_launches(monk
         _step_with(together, [opt], step_grads)
         _step_with(alone, singles, step_grads)
     assert launches == ([len(shapes)] + [1] * len(shapes)) * 3  # one launch per step, alone or shared
-    monkeypatch.setattr(host, "takes_many_levels", lambda *args: False)  # each tensor's own launch
+    monkeypatch.setattr(host, f"takes_many_{launch}", lambda *args: False)  # each tensor's own launch
     for step_grads in grads:
         _step_with(own, [own_opt], step_grads)
     assert len(launches) == 3 * (len(shapes) + 1)

@@ -21,7 +21,8 @@ from ...state import (CODES_M, COL_M, COL_V, ROW_M, ROW_V, SCALES_M, MomentumCod
 from ...schema import SCHEMA
 from ..contract import FlagPass, LevelsEnds, StepItem
 from . import flag, none, sign
-from .launches import ADDRESS, LEVELS_ADDRESS, many_blocks_kernel, many_kernel, many_levels_kernel
+from .launches import (ADDRESS, FLAG_ADDRESS, LEVELS_ADDRESS, many_blocks_kernel, many_flag_kernel, many_kernel,
+                       many_levels_kernel)
 from .levels import LEVELS_KERNELS, level_table, levels_piece_ends_kernel, levels_piece_kernel, touched_v_rows
 from .rows import SCRATCH_PAD, m_rows_touched
 from .structs import FlagPasses, Geometry, LevelsGeometry, Options, PieceGeometry, Scalars
@@ -92,9 +93,13 @@ def _as_numpy(t: Tensor) -> np.ndarray:
 
 def scalars(cfg: StepConfig, numel: int, dtype: torch.dtype) -> Scalars:
     """The step's :class:`Scalars` in the work dtype ``dtype`` (np.float32, or np.float64 for fp64)."""
-    # Keyed without the levels' salt and the rounding key, which each param of a group has its own of.
-    group = cfg if cfg.levels_salt is None and cfg.rounding_key is None else cfg.for_param(None, None)
-    return Scalars._make((*_group_scalars(group, dtype), _work_scalar(dtype)(factor_sum_cap(numel, dtype))))
+    return Scalars._make((*_group_scalars(_group_of(cfg), dtype), _work_scalar(dtype)(factor_sum_cap(numel, dtype))))
+
+
+def _group_of(cfg: StepConfig) -> StepConfig:
+    """``cfg`` without the levels' salt and the rounding key, which each param of a group has its own of: the key
+    of the group's numbers."""
+    return cfg if cfg.levels_salt is None and cfg.rounding_key is None else cfg.for_param(None, None)
 
 
 def _work_scalar(dtype: torch.dtype) -> type:
@@ -275,34 +280,68 @@ def takes_many(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
     return 0 < param.numel() < PARALLEL_MIN_NUMEL and _plain_fp32(param, state, cfg)
 
 
+def _small_fp32(param: Tensor, state: dict[str, Any], cfg: StepConfig, code: MomentumCode) -> bool:
+    """Small contiguous fp32 tensors of ``code`` with fp32 state."""
+    return (cfg.code is code and 0 < param.numel() < PARALLEL_MIN_NUMEL and param.dtype == torch.float32
+            and param.is_contiguous() and state[ROW_V].dtype == torch.float32)
+
+
 def takes_many_levels(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
-    """Small contiguous fp32 tensors of the levels code with fp32 state: they share one launch
-    (:func:`many_levels_kernel`), one tensor per thread at a time."""
-    return (cfg.code is MomentumCode.LEVELS and 0 < param.numel() < PARALLEL_MIN_NUMEL
-            and param.dtype == torch.float32 and param.is_contiguous() and state[ROW_V].dtype == torch.float32)
+    """Small fp32 tensors of the levels code: they share one launch (:func:`many_levels_kernel`), one tensor per
+    thread at a time."""
+    return _small_fp32(param, state, cfg, MomentumCode.LEVELS)
+
+
+def takes_many_flag(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
+    """Small fp32 tensors of the magnitude flag: they share one launch (:func:`many_flag_kernel`)."""
+    return _small_fp32(param, state, cfg, MomentumCode.FLAG)
+
+
+def _one_by_one_tables(items: Sequence[StepItem], address: dict[str, int]) -> tuple[list[list[int]], np.ndarray]:
+    """For a launch that steps each of ``items`` (small fp32 tensors) by its code's serial kernel: per tensor the
+    data addresses of its weight, gradient and state (``address``: where each state field goes), and its
+    :class:`Scalars`."""
+    addresses, numbers = [], []
+    for param, grad, state, cfg in items:
+        row = [param.data_ptr(), grad.data_ptr(), *[0] * len(address)]
+        for key, at in address.items():
+            row[at] = state[key].data_ptr()
+        addresses.append(row)
+        numbers.append((*_group_scalars(_group_of(cfg), torch.float32), _fp32_geometry(param.numel())[2]))
+    return addresses, np.array(numbers, dtype=np.float32)
+
+
+def _many_launch(kernel: Any, items: Sequence[StepItem], address: dict[str, int], sizes: list[tuple[int, ...]],
+                 flags: list[tuple[int, ...]], *extra: Any) -> int:
+    """One launch of ``kernel`` over ``items``: its tables (:func:`_one_by_one_tables`, ``sizes``, ``flags``,
+    then ``extra`` arrays); returns the NaN/inf elements met by the tensors that zero them."""
+    grads = [grad.to(torch.float32).contiguous() for _, grad, _, _ in items]  # alive until the launch is done
+    addresses, numbers = _one_by_one_tables([(p, g, s, c) for (p, _, s, c), g in zip(items, grads)], address)
+    bad_counts = np.zeros(len(items), dtype=np.int64)
+    with PARALLEL_LAUNCH:
+        kernel(np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64), numbers,
+               np.array(flags, dtype=np.int64), *extra, bad_counts)
+    return sum(int(count) for count, (*_, cfg) in zip(bad_counts, items) if cfg.zero_nonfinite)
 
 
 def _many_levels_launch(items: Sequence[StepItem]) -> int:
     """The steps of :func:`takes_many_levels`' tensors in one launch."""
-    addresses, sizes, flags, numbers, alive = [], [], [], [], []
-    for param, grad, state, cfg in items:
-        rows, cols, cap = _fp32_geometry(param.numel())
-        grad = grad.to(torch.float32).contiguous()
-        alive.append(grad)
-        row = [param.data_ptr(), grad.data_ptr(), *[0] * len(LEVELS_ADDRESS)]
-        for key, at in LEVELS_ADDRESS.items():
-            row[at] = state[key].data_ptr()
-        addresses.append(row)
-        sizes.append((rows, cols, *levels_rows_cols(state[CODES_M], param.numel())))
-        flags.append((cfg.zero_nonfinite, cfg.levels_salt is not None, cfg.levels_salt or 0))
-        # Each param has its own salt: the group's numbers are keyed without it.
-        numbers.append((*_group_scalars(cfg.for_param(None, None), torch.float32), cap))
-    bad_counts = np.zeros(len(items), dtype=np.int64)
-    with PARALLEL_LAUNCH:
-        many_levels_kernel(np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
-                           np.array(numbers, dtype=np.float32), np.array(flags, dtype=np.int64),
-                           level_table(np.float32), bad_counts)
-    return sum(int(count) for count, (*_, cfg) in zip(bad_counts, items) if cfg.zero_nonfinite)
+    sizes = [(*_fp32_geometry(param.numel())[:2], *levels_rows_cols(state[CODES_M], param.numel()))
+             for param, _, state, _ in items]
+    flags = [(cfg.zero_nonfinite, cfg.levels_salt is not None, cfg.levels_salt or 0) for *_, cfg in items]
+    return _many_launch(many_levels_kernel, items, LEVELS_ADDRESS, sizes, flags, level_table(np.float32))
+
+
+def _many_flag_launch(items: Sequence[StepItem]) -> int:
+    """The steps of :func:`takes_many_flag`' tensors in one launch (as :func:`launch` steps each alone)."""
+    sizes = []
+    for param, _, state, _ in items:
+        rows, cols, _ = _fp32_geometry(param.numel())
+        m_cols = momentum_cols(state, cols)
+        rows_per_block, _ = _block_layout(rows, cols, 1)
+        width = _flag_scratch_layout(m_cols, cols, _m_rows_touched(rows_per_block, cols, m_cols))[3]
+        sizes.append((rows, cols, m_cols, rows_per_block, width))
+    return _many_launch(many_flag_kernel, items, FLAG_ADDRESS, sizes, [(cfg.zero_nonfinite,) for *_, cfg in items])
 
 
 # Plain fp32 tensors from PARALLEL_MIN_NUMEL up to this many elements share the blocks launch. A larger one
@@ -440,11 +479,12 @@ def _blocks_launch(items: Sequence[StepItem]) -> int:
 
 def steps_(items: Sequence[StepItem]) -> int:
     """The steps of many tensors: the small plain fp32 ones in one launch (:func:`many_kernel`), the
-    mid-sized ones in another (:func:`many_blocks_kernel`), the levels code's small fp32 ones in a third
-    (:func:`many_levels_kernel`), each also when alone; the rest one by one."""
+    mid-sized ones in another (:func:`many_blocks_kernel`), the small fp32 ones of the levels code and of the
+    magnitude flag in one each (:func:`many_levels_kernel`, :func:`many_flag_kernel`), each also when alone; the
+    rest one by one."""
     follow_torch_threads()
     bad = 0
-    tables, sizes, large, small_levels, own = _SharedTables(), [], [], [], []
+    tables, sizes, large, small_levels, small_flag, own = _SharedTables(), [], [], [], [], []
     for item in items:
         param, grad, state, cfg = item
         if takes_blocks(param, state, cfg):
@@ -453,12 +493,16 @@ def steps_(items: Sequence[StepItem]) -> int:
             sizes.append(tables.add(param, grad, state, cfg))
         elif takes_many_levels(param, state, cfg):
             small_levels.append(item)
+        elif takes_many_flag(param, state, cfg):
+            small_flag.append(item)
         else:
             own.append(item)
     if large:
         bad += _blocks_launch(large)
     if small_levels:
         bad += _many_levels_launch(small_levels)
+    if small_flag:
+        bad += _many_flag_launch(small_flag)
     if sizes:
         addresses, scalars, flags = tables.arrays()
         bad_counts = np.zeros(len(sizes), dtype=np.int64)

@@ -1,7 +1,7 @@
 """The launches of many tensors on CPU: small fp32 tensors (one tensor per thread at a time) and mid-sized ones
 (every block of rows of every tensor in one parallel loop), of the paper's code or without a first moment, each
-tensor stepped by its code's pass (:mod:`.sign`, :mod:`.none`); and small fp32 tensors of the levels code, one
-tensor per thread at a time (:mod:`.levels`).
+tensor stepped by its code's pass (:mod:`.sign`, :mod:`.none`); and small fp32 tensors of the levels code and of
+the magnitude flag, one tensor per thread at a time (:mod:`.levels`, :mod:`.flag`).
 
 Per tensor t of a launch, rows of tables the host lays out (``host._SharedTables``): ``addresses[t]``, the data
 addresses of the weight, the gradient and the paper's code's state arrays in the schema's order (0 for those a code
@@ -19,11 +19,11 @@ from numba.extending import intrinsic
 
 from ...levels import BLOCK
 from ...schema import SCHEMA, MomentumCode
-from . import none, sign
+from . import flag, none, sign
 from .cache import KERNEL_OPTIONS, cached_njit
 from .levels import LEVELS_KERNELS, touched_v_rows
 from .rows import block_rows, finish_cols, m_rows_touched
-from .structs import Geometry, LevelsGeometry, Options, scalars_of
+from .structs import FlagPasses, Geometry, LevelsGeometry, Options, scalars_of
 
 # Where each array's address is in a row of ``addresses``: the weight, the gradient, then the paper's code's state.
 _W, _G = 0, 1
@@ -34,6 +34,10 @@ LEVELS_ADDRESS = {field.key: 2 + i for i, field in enumerate(SCHEMA[MomentumCode
 _CODES_M, _SCALES_M, _LEVELS_ROW_V, _LEVELS_COL_V = (LEVELS_ADDRESS[key]
                                                      for key in ("codes_m", "scales_m", "row_v", "col_v"))
 _levels_serial = LEVELS_KERNELS[False]
+# And for the magnitude flag's: the weight, the gradient, then the flag's state.
+FLAG_ADDRESS = {field.key: 2 + i for i, field in enumerate(SCHEMA[MomentumCode.FLAG])}
+_F_ROW_M, _F_COL_M, _F_SIGN_M, _F_FLAG_M, _F_LEVELS_M, _F_ROW_V, _F_COL_V = (
+    FLAG_ADDRESS[key] for key in ("row_m", "col_m", "sign_m", "flag_m", "levels_m", "row_v", "col_v"))
 
 
 @intrinsic
@@ -101,6 +105,30 @@ def many_levels_kernel(addresses, sizes, scalars, flags, table, bad_counts):
                        _float_array(a[_LEVELS_ROW_V], n), _float_array(a[_LEVELS_COL_V], m),
                        np.empty((1, m), dtype=np.float32), np.empty((1, touched_v_rows(rows, cols, m)), dtype=np.float32),
                        bad, geo, Options(False, flags[t, 0] != 0, True, 0), scalars_of(scalars[t]))
+        bad_counts[t] = bad[0]
+
+
+# Cached, and like many_kernel taken by every tensor that the host's ``takes_many_flag`` accepts, alone or with
+# others.
+@cached_njit(parallel=True, **KERNEL_OPTIONS)
+def many_flag_kernel(addresses, sizes, scalars, flags, bad_counts):
+    """The steps of small fp32 tensors under the magnitude flag in one launch, one tensor per thread at a time,
+    each one call of the flag's serial kernel (both its passes). ``addresses[t]``: :data:`FLAG_ADDRESS`;
+    ``sizes[t]`` = (n, m, M's columns, rows per block, the width of its scratch row: :func:`.flag.scratch_layout`);
+    ``flags[t]`` = (zero_nonfinite,)."""
+    for t in numba.prange(addresses.shape[0]):
+        n, m, m_cols, rows_per_block, width = sizes[t, 0], sizes[t, 1], sizes[t, 2], sizes[t, 3], sizes[t, 4]
+        a = addresses[t]
+        m_rows = n * m // m_cols
+        bits = (n * m + 7) // 8
+        bad = np.zeros(1, dtype=np.int64)
+        flag.kernel_serial(
+            _float_array(a[_W], n * m), _float_array(a[_G], n * m), _float_array(a[_F_ROW_M], m_rows),
+            _float_array(a[_F_COL_M], m_cols), numba.carray(_address(a[_F_SIGN_M]), bits, np.uint8),
+            numba.carray(_address(a[_F_FLAG_M]), bits, np.uint8), _float_array(a[_F_LEVELS_M], 2),
+            _float_array(a[_F_ROW_V], n), _float_array(a[_F_COL_V], m), np.empty(m_rows + m_cols, dtype=np.float32),
+            np.empty((1, width), dtype=np.float32), bad, Geometry(n, m, m_cols, 0, rows_per_block, 0, n * m),
+            FlagPasses(0, 2), Options(False, flags[t, 0] != 0, True, 0), scalars_of(scalars[t]))
         bad_counts[t] = bad[0]
 
 
