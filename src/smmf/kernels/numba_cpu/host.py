@@ -311,8 +311,8 @@ def _one_by_one_tables(items: Sequence[StepItem], address: dict[str, int]) -> tu
     return addresses, np.array(numbers, dtype=np.float32)
 
 
-def _many_launch(kernel: Any, items: Sequence[StepItem], address: dict[str, int], sizes: list[tuple[int, ...]],
-                 flags: list[tuple[int, ...]], *extra: Any) -> int:
+def _many_launch(kernel: Any, items: Sequence[StepItem], address: dict[str, int], sizes: Sequence[tuple[int, ...]],
+                 flags: Sequence[tuple[int, ...]], *extra: Any) -> int:
     """One launch of ``kernel`` over ``items``: its tables (:func:`_one_by_one_tables`, ``sizes``, ``flags``,
     then ``extra`` arrays); returns the NaN/inf elements met by the tensors that zero them."""
     grads = [grad.to(torch.float32).contiguous() for _, grad, _, _ in items]  # alive until the launch is done
