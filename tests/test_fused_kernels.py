@@ -228,10 +228,18 @@ def test_small_levels_and_flag_tensors_share_one_launch_and_match_their_own_laun
     gen = torch.Generator().manual_seed(5)
     base = [torch.randn(s, generator=gen) for s in shapes]
     together, alone, own = ([torch.nn.Parameter(b.clone()) for b in base] for _ in range(3))
-    opt, own_opt = SMMF(together, backend="numba", **config), SMMF(own, backend="numba", **config)
-    singles = [SMMF([p], backend="numba", **config) for p in alone]
+
+    def group_options(i):  # a second group of another lr and NaN policy: each tensor reads its own row of the tables
+        return {} if i < 3 else {"lr": 3e-3, "nonfinite_grads": "propagate"}
+
+    def two_groups(params):
+        return [{"params": params[:3]}, {"params": params[3:], **group_options(3)}]
+
+    opt = SMMF(two_groups(together), backend="numba", **config)
+    own_opt = SMMF(two_groups(own), backend="numba", **config)
+    singles = [SMMF([p], backend="numba", **config, **group_options(i)) for i, p in enumerate(alone)]
     grads = [[torch.randn(p.shape, generator=gen) for p in together] for _ in range(3)]
-    grads[1][3][5, 7] = float("nan")
+    grads[1][0][5, 7] = float("nan")
     for step_grads in grads:
         _step_with(together, [opt], step_grads)
         _step_with(alone, singles, step_grads)
@@ -243,9 +251,11 @@ def test_small_levels_and_flag_tensors_share_one_launch_and_match_their_own_laun
     dithered = config.get("momentum_rounding") == "stochastic"  # a param's dither depends on its place
     for p, q, r, single in zip(together, alone, own, singles):
         torch.testing.assert_close(r, p, rtol=1e-6, atol=1e-6)
+        for key in ("row_v", "col_v"):
+            torch.testing.assert_close(own_opt.state[r][key], opt.state[p][key], rtol=1e-6, atol=0)
         if not dithered:
             _assert_stepped_alike(opt, p, single, q)
-    assert torch.isfinite(together[3]).all()
+    assert torch.isfinite(together[0]).all()
 
 
 @pytest.mark.skipif("numba" not in FUSED_BACKENDS, reason="needs numba")

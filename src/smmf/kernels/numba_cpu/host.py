@@ -251,8 +251,8 @@ def levels_piece_ends(state: dict[str, Any], cfg: StepConfig, shape: tuple[int, 
 
 
 def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig) -> int:
-    """A tensor's step in a launch of its own (those the shared launches do not take: bf16, fp64, strided,
-    the magnitude flag and the levels code)."""
+    """A tensor's step in a launch of its own (those the shared launches do not take: bf16, fp64, strided, and
+    the larger ones of the magnitude flag and the levels code)."""
     rows, cols = matrix_shape(param)
     if rows == 0:
         return 0
@@ -269,9 +269,12 @@ def own_launch(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConf
 
 def _plain_fp32(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
     """Contiguous fp32 tensors with fp32 state, of the paper's code of M or its natural shape (or none):
-    the ones the shared launches take."""
-    return (param.dtype == torch.float32 and param.is_contiguous() and state[ROW_V].dtype == torch.float32
-            and cfg.code not in (MomentumCode.FLAG, MomentumCode.LEVELS))
+    the ones :func:`many_kernel` and :func:`many_blocks_kernel` take."""
+    return _fp32_contiguous(param, state) and cfg.code not in (MomentumCode.FLAG, MomentumCode.LEVELS)
+
+
+def _fp32_contiguous(param: Tensor, state: dict[str, Any]) -> bool:
+    return param.dtype == torch.float32 and param.is_contiguous() and state[ROW_V].dtype == torch.float32
 
 
 def takes_many(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
@@ -282,8 +285,7 @@ def takes_many(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
 
 def _small_fp32(param: Tensor, state: dict[str, Any], cfg: StepConfig, code: MomentumCode) -> bool:
     """Small contiguous fp32 tensors of ``code`` with fp32 state."""
-    return (cfg.code is code and 0 < param.numel() < PARALLEL_MIN_NUMEL and param.dtype == torch.float32
-            and param.is_contiguous() and state[ROW_V].dtype == torch.float32)
+    return cfg.code is code and 0 < param.numel() < PARALLEL_MIN_NUMEL and _fp32_contiguous(param, state)
 
 
 def takes_many_levels(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
@@ -315,7 +317,7 @@ def _many_launch(kernel: Any, items: Sequence[StepItem], address: dict[str, int]
                  flags: Sequence[tuple[int, ...]], *extra: Any) -> int:
     """One launch of ``kernel`` over ``items``: its tables (:func:`_one_by_one_tables`, ``sizes``, ``flags``,
     then ``extra`` arrays); returns the NaN/inf elements met by the tensors that zero them."""
-    grads = [grad.to(torch.float32).contiguous() for _, grad, _, _ in items]  # alive until the launch is done
+    grads = [grad.contiguous() for _, grad, _, _ in items]  # alive until the launch is done
     addresses, numbers = _one_by_one_tables([(p, g, s, c) for (p, _, s, c), g in zip(items, grads)], address)
     bad_counts = np.zeros(len(items), dtype=np.int64)
     with PARALLEL_LAUNCH:

@@ -3,10 +3,11 @@
 tensor stepped by its code's pass (:mod:`.sign`, :mod:`.none`); and small fp32 tensors of the levels code and of
 the magnitude flag, one tensor per thread at a time (:mod:`.levels`, :mod:`.flag`).
 
-Per tensor t of a launch, rows of tables the host lays out (``host._SharedTables``): ``addresses[t]``, the data
-addresses of the weight, the gradient and the paper's code's state arrays in the schema's order (0 for those a code
-lacks: :data:`ADDRESS`); ``scalars[t]``, the :class:`~.structs.Scalars`' fields in order; ``flags[t]`` = (a first
-moment: the paper's code, else none; ``zero_nonfinite``). The caller keeps every tensor alive.
+Per tensor t of a launch, rows of tables the host lays out: ``addresses[t]``, the data addresses of the weight, the
+gradient and its code's state arrays in the schema's order (:data:`ADDRESS` for the paper's code and none, 0 for
+the arrays a code lacks; :data:`LEVELS_ADDRESS`, :data:`FLAG_ADDRESS`); ``scalars[t]``, the
+:class:`~.structs.Scalars`' fields in order; ``flags[t]`` and ``sizes[t]`` as each launch says. The caller keeps
+every tensor alive.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def many_levels_kernel(addresses, sizes, scalars, flags, table, bad_counts):
         bad = np.zeros(1, dtype=np.int64)
         _levels_serial(_float_array(a[_W], n * m), _float_array(a[_G], n * m), codes, scales, table,
                        _float_array(a[_LEVELS_ROW_V], n), _float_array(a[_LEVELS_COL_V], m),
-                       np.empty((1, m), dtype=np.float32), np.empty((1, touched_v_rows(rows, cols, m)), dtype=np.float32),
-                       bad, geo, Options(False, flags[t, 0] != 0, True, 0), scalars_of(scalars[t]))
+                       np.empty((1, m), dtype=np.float32),
+                       np.empty((1, touched_v_rows(rows, cols, m)), dtype=np.float32), bad, geo, Options(False, flags[t, 0] != 0, True, 0), scalars_of(scalars[t]))
         bad_counts[t] = bad[0]
 
 
