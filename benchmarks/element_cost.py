@@ -105,7 +105,7 @@ def _warm_up(seconds: float = 1.0) -> None:
 
 
 def pair_loop_in_l1(width: int = 1024, reps: int = 20000) -> None:
-    param = torch.nn.Parameter(torch.randn(width * width))
+    param = torch.nn.Parameter(torch.randn(width))  # only for the step's numbers
     param.grad = torch.randn_like(param)
     opt = SMMF([param])
     opt.step()

@@ -63,7 +63,8 @@ def main() -> None:
         host.KERNELS[code] = {parallel: timed("own", kernel) for parallel, kernel in kernels.items()}
     host.LEVELS_KERNELS = {parallel: timed("own", kernel) for parallel, kernel in host.LEVELS_KERNELS.items()}
     host.many_blocks_kernel = timed("blocks", host.many_blocks_kernel)
-    host.many_kernel = timed("many", host.many_kernel)
+    for shared in ("many_kernel", "many_levels_kernel", "many_flag_kernel"):  # the small tensors' launches
+        setattr(host, shared, timed("many", getattr(host, shared)))
     optimizer._mark_written = timed("bumps", optimizer._mark_written)  # autograd's version bumps, after the kernels
     opt = SMMF(make_params(SHAPE_SETS[args.set]()), backend="numba")
     opt._nonfinite = _Checked(opt._nonfinite, events)  # type: ignore[assignment]  # a stand-in with its two methods

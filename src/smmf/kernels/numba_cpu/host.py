@@ -299,31 +299,35 @@ def takes_many_flag(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bo
     return _small_fp32(param, state, cfg, MomentumCode.FLAG)
 
 
-def _one_by_one_tables(items: Sequence[StepItem], address: dict[str, int]) -> tuple[list[list[int]], np.ndarray]:
-    """For a launch that steps each of ``items`` (small fp32 tensors) by its code's serial kernel: per tensor the
-    data addresses of its weight, gradient and state (``address``: where each state field goes), and its
-    :class:`Scalars`."""
-    addresses, numbers = [], []
-    for param, grad, state, cfg in items:
-        row = [param.data_ptr(), grad.data_ptr(), *[0] * len(address)]
-        for key, at in address.items():
+def _address_row(param: Tensor, grad: Tensor, state: dict[str, Any], address: dict[str, int]) -> list[int]:
+    """A row of a shared launch's ``addresses`` table: the data addresses of the weight, the gradient and the state
+    fields (``address``: where each goes; the fields the state lacks stay 0)."""
+    row = [param.data_ptr(), grad.data_ptr(), *[0] * len(address)]
+    for key, at in address.items():
+        if key in state:
             row[at] = state[key].data_ptr()
-        addresses.append(row)
-        numbers.append((*_group_scalars(_group_of(cfg), torch.float32), _fp32_geometry(param.numel())[2]))
-    return addresses, np.array(numbers, dtype=np.float32)
+    return row
+
+
+def _zeroed(counts: Sequence[int], configs: Sequence[StepConfig]) -> int:
+    """The NaN/inf elements met by the tensors that zero them, of ``counts`` (one per tensor)."""
+    return sum(int(count) for count, cfg in zip(counts, configs) if cfg.zero_nonfinite)
 
 
 def _many_launch(kernel: Any, items: Sequence[StepItem], address: dict[str, int], sizes: Sequence[tuple[int, ...]],
                  flags: Sequence[tuple[int, ...]], *extra: Any) -> int:
-    """One launch of ``kernel`` over ``items``: its tables (:func:`_one_by_one_tables`, ``sizes``, ``flags``,
-    then ``extra`` arrays); returns the NaN/inf elements met by the tensors that zero them."""
+    """One launch of ``kernel`` that steps each of ``items`` (small fp32 tensors) by its code's serial kernel: its
+    tables (the addresses, :class:`Scalars`, ``sizes``, ``flags``, then ``extra`` arrays); returns the NaN/inf
+    elements met by the tensors that zero them."""
     grads = [grad.contiguous() for _, grad, _, _ in items]  # alive until the launch is done
-    addresses, numbers = _one_by_one_tables([(p, g, s, c) for (p, _, s, c), g in zip(items, grads)], address)
+    addresses = [_address_row(param, grad, state, address) for (param, _, state, _), grad in zip(items, grads)]
+    numbers = [(*_group_scalars(_group_of(cfg), torch.float32), _fp32_geometry(param.numel())[2])
+               for param, _, _, cfg in items]
     bad_counts = np.zeros(len(items), dtype=np.int64)
     with PARALLEL_LAUNCH:
-        kernel(np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64), numbers,
-               np.array(flags, dtype=np.int64), *extra, bad_counts)
-    return sum(int(count) for count, (*_, cfg) in zip(bad_counts, items) if cfg.zero_nonfinite)
+        kernel(np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
+               np.array(numbers, dtype=np.float32), np.array(flags, dtype=np.int64), *extra, bad_counts)
+    return _zeroed(bad_counts.tolist(), [cfg for *_, cfg in items])
 
 
 def _many_levels_launch(items: Sequence[StepItem]) -> int:
@@ -375,11 +379,7 @@ class _SharedTables:
         rows, cols, cap = _fp32_geometry(param.numel())
         grad = grad.contiguous()
         self.alive.append(grad)
-        addresses = [param.data_ptr(), grad.data_ptr(), *[0] * len(ADDRESS)]
-        for key, at in ADDRESS.items():  # the paper's code's state; the fields a code lacks stay 0
-            if key in state:
-                addresses[at] = state[key].data_ptr()
-        self.addresses.append(tuple(addresses))
+        self.addresses.append(tuple(_address_row(param, grad, state, ADDRESS)))  # the paper's code's state
         self.caps.append(cap)
         self.configs.append(cfg)
         return rows, cols, state[COL_M].numel() if COL_M in state else cols
@@ -404,7 +404,7 @@ class _SharedTables:
 
     def bad(self, counts: Sequence[int]) -> int:
         """The NaN/inf elements met by the tensors that zero them, of ``counts`` (one per tensor)."""
-        return sum(count for count, cfg in zip(counts, self.configs) if cfg.zero_nonfinite)
+        return _zeroed(counts, self.configs)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -105,7 +105,8 @@ def many_levels_kernel(addresses, sizes, scalars, flags, table, bad_counts):
         _levels_serial(_float_array(a[_W], n * m), _float_array(a[_G], n * m), codes, scales, table,
                        _float_array(a[_LEVELS_ROW_V], n), _float_array(a[_LEVELS_COL_V], m),
                        np.empty((1, m), dtype=np.float32),
-                       np.empty((1, touched_v_rows(rows, cols, m)), dtype=np.float32), bad, geo, Options(False, flags[t, 0] != 0, True, 0), scalars_of(scalars[t]))
+                       np.empty((1, touched_v_rows(rows, cols, m)), dtype=np.float32), bad, geo,
+                       Options(False, flags[t, 0] != 0, True, 0), scalars_of(scalars[t]))
         bad_counts[t] = bad[0]
 
 
