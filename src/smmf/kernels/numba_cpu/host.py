@@ -323,11 +323,18 @@ def _many_launch(kernel: Any, items: Sequence[StepItem], address: dict[str, int]
     addresses = [_address_row(param, grad, state, address) for (param, _, state, _), grad in zip(items, grads)]
     numbers = [(*_group_scalars(_group_of(cfg), torch.float32), _fp32_geometry(param.numel())[2])
                for param, _, _, cfg in items]
-    bad_counts = np.zeros(len(items), dtype=np.int64)
+    return _run_shared(kernel, np.array(addresses, dtype=np.int64), sizes, np.array(numbers, dtype=np.float32),
+                       np.array(flags, dtype=np.int64), [cfg for *_, cfg in items], *extra)
+
+
+def _run_shared(kernel: Any, addresses: np.ndarray, sizes: Sequence[tuple[int, ...]], scalars: np.ndarray,
+                flags: np.ndarray, configs: Sequence[StepConfig], *extra: Any) -> int:
+    """One launch of a kernel that steps a tensor per row of its tables (:func:`many_kernel` and kin); returns
+    the NaN/inf elements met by the tensors that zero them."""
+    bad_counts = np.zeros(len(configs), dtype=np.int64)
     with PARALLEL_LAUNCH:
-        kernel(np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64),
-               np.array(numbers, dtype=np.float32), np.array(flags, dtype=np.int64), *extra, bad_counts)
-    return _zeroed(bad_counts.tolist(), [cfg for *_, cfg in items])
+        kernel(addresses, np.array(sizes, dtype=np.int64), scalars, flags, *extra, bad_counts)
+    return _zeroed(bad_counts.tolist(), configs) if bad_counts.any() else 0
 
 
 def _many_levels_launch(items: Sequence[StepItem]) -> int:
@@ -364,9 +371,10 @@ def takes_blocks(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> bool:
 class _SharedTables:
     """The rows of a shared launch's tables (:func:`many_kernel`'s, :func:`many_blocks_kernel`'s), one
     tensor at a time: per tensor the data addresses of the weight, the gradient and the paper's code's state
-    (:data:`~.launches.ADDRESS`; 0 for the arrays a code lacks); its :class:`Scalars`; (has_m, zero_nonfinite). A tensor's view and cap come from a
-    cache by size, and a config's numbers and flags are made once per launch: per tensor and step the
-    host reads its addresses and a few cached lookups (ResNet-50 has 151 tensors in these launches)."""
+    (:data:`~.launches.ADDRESS`; 0 for the arrays a code lacks); its :class:`Scalars`; (has_m, zero_nonfinite).
+    A tensor's view and cap come from a cache by size, and a config's numbers and flags are made once per launch:
+    per tensor and step the host reads its addresses and a few cached lookups (ResNet-50 has 151 tensors in these
+    launches)."""
 
     def __init__(self) -> None:
         self.addresses: list[tuple[int, ...]] = []
@@ -507,11 +515,7 @@ def steps_(items: Sequence[StepItem]) -> int:
         bad += _many_flag_launch(small_flag)
     if sizes:
         addresses, scalars, flags = tables.arrays()
-        bad_counts = np.zeros(len(sizes), dtype=np.int64)
-        with PARALLEL_LAUNCH:
-            many_kernel(addresses, np.array(sizes, dtype=np.int64), scalars, flags, bad_counts)
-        if bad_counts.any():
-            bad += tables.bad(bad_counts.tolist())
+        bad += _run_shared(many_kernel, addresses, sizes, scalars, flags, tables.configs)
     # Last: each streams its tensor through the caches, which the host work above would then find cold.
     for param, grad, state, cfg in own:
         bad += own_launch(param, grad, state, cfg)
