@@ -5,7 +5,8 @@
 
 (``deepspeed --num_gpus 2`` and ``accelerate launch`` work the same.) The Trainer builds SMMF with the model's
 parameters and its own parameter groups, then DeepSpeed's ZeRO optimizer hands SMMF flat partitions of them, which
-SMMF maps back to the model's tensors (docs/distributed.md). Without a GPU DeepSpeed runs on the CPU
+SMMF maps back to the model's tensors (docs/distributed.md). Give SMMF this way, as a class: under DeepSpeed the
+Trainer drops an optimizer instance given as ``optimizers=(SMMF(...), None)`` and trains with AdamW. Without a GPU DeepSpeed runs on the CPU
 (``DS_ACCELERATOR=cpu``, set here when CUDA is missing) over gloo. ``--params PATH``: rank 0 writes the full
 parameters of both runs there.
 """

@@ -81,13 +81,15 @@ def init(rank: int, world: int, port: int) -> None:
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
-def config(stage: int, world: int, accumulation: int = 1, clip: float = 0.0, bf16: bool = False,
+def config(stage: int, world: int, accumulation: int = 1, clip: float = 0.0, bf16: bool = False, fp16: bool = False,
            **zero: Any) -> dict[str, Any]:
-    """DeepSpeed's configuration; ``gradient_clipping`` always set (DeepSpeed clips at 1.0 unless it is)."""
+    """DeepSpeed's configuration; ``gradient_clipping`` always set (DeepSpeed clips at 1.0 unless it is); fp16 with
+    a static loss scale of 1 (no step skipped)."""
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accumulation,
             "train_batch_size": MICRO * accumulation * world, "gradient_clipping": clip,
             "zero_optimization": {"stage": stage, **zero}, "zero_allow_untested_optimizer": True,
-            "zero_force_ds_cpu_optimizer": False, "bf16": {"enabled": bf16}, "steps_per_print": 10**9}
+            "zero_force_ds_cpu_optimizer": False, "bf16": {"enabled": bf16},
+            **({"fp16": {"enabled": True, "loss_scale": 1.0}} if fp16 else {}), "steps_per_print": 10**9}
 
 
 def engine_for(options: dict[str, Any], world: int, settings: dict[str, Any]):
@@ -99,9 +101,12 @@ def engine_for(options: dict[str, Any], world: int, settings: dict[str, Any]):
 
     settings = dict(settings)
     by_deepspeed = settings.pop("callable", False)
+    settings.pop("checked", None)  # reloads'
     model = make_model()
+    if settings.pop("frozen", False):
+        model.fc1.requires_grad_(False)
     build = lambda params: SMMF(params, lr=LR, weight_decay=WEIGHT_DECAY, **options)  # noqa: E731
-    client: Any = build if by_deepspeed else build(model.parameters())
+    client: Any = build if by_deepspeed else build([p for p in model.parameters() if p.requires_grad])
     with redirect_stdout(sys.stderr):
         engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=client, config=config(world=world, **settings),
                                                      model_parameters=model.parameters() if by_deepspeed else None)
@@ -123,7 +128,7 @@ def full_params(engine) -> list[torch.Tensor]:
     follow ``round_robin_gradients``)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    params = list(engine.module.parameters())
+    params = [p for p in engine.module.parameters() if p.requires_grad]
     if engine.zero_optimization_stage() < 3 and params[0].dtype == torch.float32:
         return [p.detach().clone() for p in params]
     return [safe_get_full_fp32_param(p).detach().clone().float() for p in params]
@@ -133,7 +138,12 @@ def masters(engine) -> list[torch.Tensor]:
     """Every param's fp32 master (DeepSpeed's partition of it), whole, on every rank (a collective)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    return [safe_get_full_fp32_param(p).detach().clone().float() for p in engine.module.parameters()]
+    return [safe_get_full_fp32_param(p).detach().clone().float() for p in engine.module.parameters() if p.requires_grad]
+
+
+def local_weights(engine) -> list[torch.Tensor]:
+    """This rank's copy of every weight of the module, frozen ones too: its part under ZeRO-3 (no collective)."""
+    return [getattr(p, "ds_tensor", p).detach().clone() for p in engine.module.parameters()]
 
 
 def _state_tensors(optimizer) -> list[torch.Tensor]:
@@ -217,22 +227,29 @@ def checkpoints(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str
 
 def reloads(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
     """Each case's checkpoint of :func:`checkpoints` (maybe of another number of ranks) loaded after a step of
-    fresh objects: the error the load raised (or None), and whether SMMF's state and DeepSpeed's fp32 masters
-    stayed as they were."""
+    fresh objects, by ``engine.load_checkpoint`` or, with ``settings["checked"]``, by ``smmf.zero.load_checkpoint``:
+    the error the load raised (or None), and whether SMMF's state, DeepSpeed's fp32 masters and the module's
+    weights stayed as they were."""
+    import smmf.zero
+
     results = {}
     for name, options, settings in cases:
         engine, optimizer = engine_for(options, world, settings)
         train(engine, range(1), rank, world)
-        state, params = _state_tensors(optimizer), masters(engine)
+        state, params, weights = _state_tensors(optimizer), masters(engine), local_weights(engine)
         error: Optional[str] = None
         try:
             with redirect_stdout(sys.stderr):
-                engine.load_checkpoint(str(out / name), tag="step3")
+                if settings.get("checked"):
+                    smmf.zero.load_checkpoint(engine, out / name, tag="step3")
+                else:
+                    engine.load_checkpoint(str(out / name), tag="step3")
         except Exception as err:  # noqa: BLE001 - reported to the parent
             error = f"{type(err).__name__}: {err}"
         results[name] = {"error": error,
                          "same_state": all(torch.equal(a, b) for a, b in zip(state, _state_tensors(optimizer))),
-                         "same_masters": all(torch.equal(a, b) for a, b in zip(params, masters(engine)))}
+                         "same_masters": all(torch.equal(a, b) for a, b in zip(params, masters(engine))),
+                         "same_weights": all(torch.equal(a, b) for a, b in zip(weights, local_weights(engine)))}
         engine.destroy()
     return results
 
@@ -273,9 +290,115 @@ def refusals(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, A
     return results
 
 
+def _two_groups(model: nn.Module) -> list[dict[str, Any]]:
+    return [{"params": [*model.fc1.parameters(), *model.norm.parameters()]},
+            {"params": [*model.fc2.parameters(), *model.fc3.parameters()]}]
+
+
+def option_changes(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case in two param groups, stepped once (and, with ``settings["reload"]``, saved and loaded into fresh
+    objects), then group 1's option ``settings["change"]`` (key, value) set and stepped: the error (or None), whether
+    every master and SMMF's state stayed as they were and the client's groups whole; then the option set back and
+    stepped again: whether every piece's step count is 2."""
+    import deepspeed
+
+    from smmf import SMMF
+
+    results = {}
+    for name, options, settings in cases:
+        settings = dict(settings)
+        key, value = settings.pop("change")
+        reload = settings.pop("reload", False)
+
+        def fresh():
+            model = make_model()
+            optimizer = SMMF(_two_groups(model), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+            with redirect_stdout(sys.stderr):
+                engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                  config=config(world=world, **settings))
+            return engine, optimizer
+
+        engine, optimizer = fresh()
+        train(engine, range(1), rank, world)
+        if reload:
+            with redirect_stdout(sys.stderr):
+                engine.save_checkpoint(str(out / name), tag="step1")
+            engine.destroy()
+            engine, optimizer = fresh()
+            with redirect_stdout(sys.stderr):
+                engine.load_checkpoint(str(out / name), tag="step1")
+        kept = optimizer.param_groups[1][key]
+        optimizer.param_groups[1][key] = value
+        params, state = masters(engine), _state_tensors(optimizer)
+        error: Optional[str] = None
+        try:
+            train(engine, range(1, 2), rank, world)
+        except (ValueError, RuntimeError) as err:
+            error = f"{type(err).__name__}: {err}"
+        result = {"error": error, "same_masters": all(torch.equal(a, b) for a, b in zip(params, masters(engine))),
+                  "same_state": all(torch.equal(a, b) for a, b in zip(state, _state_tensors(optimizer))),
+                  "groups": len(optimizer.param_groups)}
+        optimizer.param_groups[1][key] = kept
+        train(engine, range(1, 2), rank, world)
+        result["steps"] = sorted({s["step"] for held in optimizer.state.values() for s in held["pieces"].values()})
+        results[name] = result
+        engine.destroy()
+    return results
+
+
+def initial_step(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case under DeepSpeed without ZeRO on bf16 or fp16 weights: SMMF's state after ``deepspeed.initialize``
+    (whose fp16/bf16 wrapper steps the optimizer once with zero gradients), and the largest difference, over the
+    update, between the masters after one step and the same masters stepped by a plain SMMF with the gradients
+    DeepSpeed handed it."""
+    from smmf import SMMF
+
+    results = {}
+    for name, options, settings in cases:
+        engine, optimizer = engine_for(options, world, settings)
+        made = {id(p): len(s) for p, s in optimizer.state.items()}
+        start = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+        handed: list[torch.Tensor] = []
+        optimizer.register_step_pre_hook(lambda opt, *_: handed.extend(
+            p.grad.clone() for group in opt.param_groups for p in group["params"]))
+        train(engine, range(1), rank, world)
+        stepped = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+        plain = [torch.nn.Parameter(p.clone()) for p in start]
+        for param, grad in zip(plain, handed):
+            param.grad = grad
+        SMMF(plain, lr=LR, weight_decay=WEIGHT_DECAY, **options).step()
+        results[name] = {"state_at_initialize": len(made), "steps": sorted({s["step"] for s in optimizer.state.values()}),
+                         "gap": max(((a - b).norm() / (b - s).norm()).item() for a, b, s in zip(stepped, plain, start))}
+        engine.destroy()
+    return results
+
+
+def plain_load(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case's client state in a ZeRO checkpoint after a step (the ``SMMF.state_dict()`` DeepSpeed saves per
+    rank) loaded into a plain SMMF of the model's params: the error it raised (or None)."""
+    from smmf import SMMF
+
+    results = {}
+    for name, options, settings in cases:
+        engine, optimizer = engine_for(options, world, settings)
+        train(engine, range(1), rank, world)
+        with redirect_stdout(sys.stderr):
+            engine.save_checkpoint(str(out / name), tag="step1")
+        saved = torch.load(next((out / name / "step1").glob("*optim_states.pt")), weights_only=False)
+        plain = SMMF(make_model().parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+        try:
+            zero = saved["optimizer_state_dict"]  # ZeRO-1/2 keep the client's under another key than ZeRO-3
+            plain.load_state_dict(zero.get("base_optimizer_state") or zero["optimizer_state_dict"])
+            results[name] = None
+        except ValueError as err:
+            results[name] = str(err)
+        engine.destroy()
+    return results
+
+
 JOBS: dict[str, Callable[[int, int, Path, list[Case]], dict[str, Any]]] = {
     "equality": equality, "bf16_by_hand": bf16_by_hand, "checkpoints": checkpoints, "reloads": reloads,
-    "refusals": refusals}
+    "refusals": refusals, "option_changes": option_changes, "initial_step": initial_step, "plain_load": plain_load}
 
 
 def battery(rank: int, world: int, port: int, out: str, jobs: list[tuple[str, list[Case]]]) -> None:

@@ -161,6 +161,59 @@ def test_checkpoints_resume_exactly_and_another_number_of_ranks_is_refused(tmp_p
             assert result["same_state"] and result["same_masters"], (name, result)
 
 
+def test_a_checkpoint_of_another_world_size_is_refused_before_deepspeed_changes_weights(tmp_path) -> None:
+    """ZeRO-3 with a frozen layer, saved at 2 ranks, loaded at 1 or 3: DeepSpeed's own load fails inside its module
+    load with a size mismatch (not its refusal of another world size); ``smmf.zero.load_checkpoint`` refuses it
+    first, naming both world sizes, with the weights, the masters and SMMF's state as they were. At 2 ranks it
+    loads."""
+    cases = [("stage3-frozen", {}, dict(stage=3, frozen=True, checked=True))]
+    saved = _battery(tmp_path, 2, [("checkpoints", cases)])["checkpoints"]
+    assert all(torch.equal(a, b) for a, b in zip(saved["stage3-frozen"]["straight"], saved["stage3-frozen"]["resumed"]))
+    for world in (1, 2, 3):
+        result = _battery(tmp_path, world, [("reloads", cases)])["reloads"]["stage3-frozen"]
+        if world == 2:
+            assert result["error"] is None, result
+            continue
+        assert result["error"] is not None and f"saved at 2 data-parallel ranks and this engine runs {world}" in \
+            result["error"], result
+        assert result["same_state"] and result["same_masters"] and result["same_weights"], result
+
+
+def test_an_option_refused_in_one_group_leaves_every_group_unstepped(tmp_path) -> None:
+    """ZeRO steps its client once per group (stage 3: per sub-group), and ZeRO-1/2 cut ``param_groups`` to that
+    group meanwhile: an option of group 1 refused (a NaN lr) or a layout option changed there (also after a resume
+    from a checkpoint) was refused only after group 0 had stepped, and ZeRO-1/2 left the groups cut. Now every
+    group's options and layouts are checked before any steps: nothing changes, the groups stay whole, and the step
+    after the option is set back steps every piece once."""
+    changes = [("lr", float("nan")), ("magnitude_bits", 3), ("beta", None), ("vector_reshape", False)]
+    cases = [(f"stage{stage}-{key}", {}, dict(stage=stage, change=(key, value)))
+             for stage in (1, 2, 3) for key, value in changes]
+    cases += [(f"stage{stage}-reloaded-magnitude_bits", {}, dict(stage=stage, change=("magnitude_bits", 3), reload=True))
+              for stage in (1, 3)]
+    for name, result in _battery(tmp_path, 1, [("option_changes", cases)])["option_changes"].items():
+        assert result["error"] is not None, (name, result)
+        assert ("learning rate" in result["error"]) == name.endswith("lr"), (name, result)
+        assert result["same_masters"] and result["same_state"] and result["groups"] == 2, (name, result)
+        assert result["steps"] == [2], (name, result)
+
+
+def test_deepspeeds_step_at_initialize_does_not_count_and_zero_state_is_refused_by_a_plain_smmf(tmp_path) -> None:
+    """DeepSpeed without ZeRO on bf16 or fp16 weights steps its client once at ``initialize`` with zero gradients:
+    SMMF counted it as step 1 (the weights decayed before training, β2's schedule shifted: the first update 1.2-1.33×
+    the plain loop's). It makes no state now, and the first step equals a plain SMMF's on the same masters and
+    gradients. And a ZeRO client state loaded into a plain SMMF is refused as what it is."""
+    cases = [(f"stage0-{dtype}-{name}", options, dict(stage=0, **{dtype: True}))
+             for dtype in ("bf16",) for name, options in (("paper", {}), ("recommended", RECOMMENDED))]
+    fp16 = [("stage0-fp16-paper", {}, dict(stage=0, fp16=True))]
+    zero = [("stage2", {}, dict(stage=2)), ("stage3", {}, dict(stage=3))]
+    results = _battery(tmp_path, 1, [("initial_step", cases + fp16), ("plain_load", zero)])
+    for name, result in results["initial_step"].items():
+        assert result["state_at_initialize"] == 0 and result["steps"] == [1], (name, result)
+        assert result["gap"] < UPDATE_TOLERANCE, (name, result)
+    for name, error in results["plain_load"].items():
+        assert error is not None and "DeepSpeed ZeRO partition" in error and "engine.load_checkpoint" in error, name
+
+
 def test_what_is_not_supported_is_refused_before_anything_changes(tmp_path) -> None:
     """ZeRO-1/2's elastic checkpoints (which merge and re-cut the state as flat tensors) are refused at the first
     step; so is a buffer whose state another optimizer's keys were loaded into (what DeepSpeed's universal checkpoint

@@ -86,6 +86,50 @@ def test_recommended_bf16_is_recommended_with_stochastic_rounding_of_bf16_weight
     assert ends["bf16", torch.float32].mean().item() < 0.999
 
 
+def test_stochastic_rounding_asked_for_fp16_weights_warns_once_that_it_rounds_to_nearest() -> None:
+    """fp16 weights with ``stochastic_rounding=True`` were rounded to nearest without a word. It warns once per
+    optimizer (at the first step, and not for the steps after), and bf16 and fp32 groups do not warn."""
+    import warnings
+
+    half = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.float16))
+    other = [torch.nn.Parameter(torch.ones(8, 8, dtype=dtype)) for dtype in (torch.bfloat16, torch.float32)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet = SMMF(other, stochastic_rounding=True)
+        for param in other:
+            param.grad = torch.ones_like(param)
+        quiet.step()
+        assert not [w for w in caught if "stochastic_rounding" in str(w.message)]
+        opt = SMMF([{"params": [half]}, {"params": [torch.nn.Parameter(torch.ones(4, dtype=torch.float16))]}],
+                   stochastic_rounding=True)
+        for _ in range(3):
+            half.grad = torch.ones_like(half)
+            opt.step()
+    said = [w for w in caught if "stochastic_rounding" in str(w.message)]
+    assert len(said) == 1 and "fp16 weights are rounded to nearest" in str(said[0].message), said
+
+
+def test_a_param_swapped_out_of_its_group_is_not_kept_alive() -> None:
+    """Accelerate's FSDP2 flow builds the optimizer on the unsharded model, then swaps the groups' params for their
+    shards: SMMF held every param it was given, so each rank kept the whole unsharded model resident. It frees
+    them, as torch's optimizers do, and steps the new params."""
+    import gc
+    import weakref
+
+    for make in (SMMF, torch.optim.AdamW):
+        param = torch.nn.Parameter(torch.randn(64, 64))
+        gone = weakref.ref(param)
+        opt = make([param])
+        swapped = torch.nn.Parameter(torch.randn(32, 64))
+        opt.param_groups[0]["params"] = [swapped]
+        del param
+        gc.collect()
+        assert gone() is None, make.__name__
+        swapped.grad = torch.ones_like(swapped)
+        opt.step()
+        assert opt.state[swapped]["step"] not in (None, 0)
+
+
 _NUMBA = "numba" in __import__("smmf.kernels", fromlist=["x"]).available_backends()
 
 

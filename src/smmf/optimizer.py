@@ -152,6 +152,11 @@ def _options_key(group: dict[str, Any]) -> tuple:
                  for value in (group.get(key, _MISSING) for key in _OPTION_KEYS))
 
 
+def _is_pieces_state(saved: Any) -> bool:
+    """Whether a param's saved state is a DeepSpeed ZeRO buffer's (its pieces', :mod:`smmf.partitions`)."""
+    return isinstance(saved, dict) and PIECES in saved
+
+
 def _reject_non_float(param: Tensor) -> None:
     if not (param.is_floating_point() or param.is_complex()):
         raise ValueError(f"SMMF optimizes floating-point or complex parameters, got a {param.dtype} parameter")
@@ -260,6 +265,32 @@ def _reject_flattened(param: Tensor) -> None:
             "SMMF does not take complex DTensor (FSDP2) parameters: shard the real view "
             "(torch.view_as_real) or keep the complex parameter unsharded"
         )
+
+
+class GivenParams:
+    """The params an optimizer was given, each with its place over the groups as given, held weakly: an engine
+    may swap them for its own tensors (Accelerate's FSDP2 shards, DeepSpeed ZeRO's flat buffers) and free them, as
+    it would under torch's optimizers."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+
+    def add(self, params: Iterable[Tensor], first_place: int) -> None:
+        for place, param in enumerate(params, first_place):
+            self._refs[id(param)] = (weakref.ref(param), place)
+        if len(self._refs) > 64 and len(self._refs) > 2 * len(self.places()):  # forget the freed ones
+            self._refs = {ident: entry for ident, entry in self._refs.items() if entry[0]() is not None}
+
+    def holds(self, param: Tensor) -> bool:
+        entry = self._refs.get(id(param))
+        return entry is not None and entry[0]() is param
+
+    def live(self) -> list[Tensor]:
+        return [param for ref, _ in self._refs.values() if (param := ref()) is not None]
+
+    def places(self) -> dict[int, int]:
+        """Each live param's place, by ``id``."""
+        return {ident: place for ident, (ref, place) in self._refs.items() if ref() is not None}
 
 
 class SMMF(Optimizer):
@@ -394,12 +425,16 @@ class SMMF(Optimizer):
         self._places: Optional[tuple[tuple, dict[int, tuple[int, dict[str, Any]]]]] = None  # see _places_now
         self._checked: dict[int, tuple] = {}  # see _check_options
         self._nonfinite = NonfiniteMonitor()
+        self._warned_fp16_rounding = False
         self._step_in_backward: Optional[StepInBackward] = None
-        # The params given, by id, with their place over the groups as given: DeepSpeed ZeRO puts flat buffers
-        # of them in the groups (smmf.zero), whose pieces are mapped back to these.
-        self._given: dict[int, tuple[Tensor, int]] = {}
+        # The params given, with their place over the groups as given: DeepSpeed ZeRO puts flat buffers of them in
+        # the groups (smmf.zero), whose pieces are mapped back to these. Weakly held: an engine that swaps them for
+        # its shards (FSDP2 under Accelerate) frees them.
+        self._given = GivenParams()
         self._partitions: dict[int, tuple[weakref.ref[Tensor], Optional[Partition]]] = {}
+        self._buffer_groups: dict[int, int] = {}  # a ZeRO buffer's group, by its place in _all_groups
         super().__init__(params, defaults)
+        self._all_groups = self.param_groups  # see _full_groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -414,9 +449,7 @@ class SMMF(Optimizer):
         except (ValueError, RuntimeError, TypeError):
             self.param_groups.pop()
             raise
-        given = sum(len(group["params"]) for group in self.param_groups[:-1])
-        for place, param in enumerate(params, given):
-            self._given[id(param)] = (param, place)
+        self._given.add(params, sum(len(group["params"]) for group in self.param_groups[:-1]))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -432,21 +465,39 @@ class SMMF(Optimizer):
         self.__dict__.setdefault("_places", None)
         self.__dict__.setdefault("_checked", {})
         self.__dict__.setdefault("_step_in_backward", None)
-        self.__dict__.setdefault("_given", {id(p): (p, i) for i, p in enumerate(
-            p for group in self.param_groups for p in group["params"])})
+        if "_given" not in self.__dict__:
+            self._given = GivenParams()
+            self._given.add([p for group in self.param_groups for p in group["params"]], 0)
         self.__dict__.setdefault("_partitions", {})
+        self.__dict__.setdefault("_buffer_groups", {})
+        self.__dict__.setdefault("_warned_fp16_rounding", False)
+        self._all_groups = self.param_groups  # torch's load_state_dict sets new groups through here
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
 
-        Under :func:`smmf.step_in_backward` the hooks step the parameters: this only runs ``closure``."""
+        Under :func:`smmf.step_in_backward` the hooks step the parameters: this only runs ``closure``. The step
+        DeepSpeed without ZeRO makes at ``deepspeed.initialize`` on fp16 or bf16 weights, with zero gradients, to
+        make the optimizer's state, is not taken: SMMF makes its state at the first real step, so that the run
+        steps as the plain loop does (no weight decay before training, β2's schedule from the first batch)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.state and self._step_in_backward is None:
+            from .zero import stepping_to_make_state
+
+            if stepping_to_make_state():
+                return loss
         if self._step_in_backward is None:
-            self.step_params([(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None])
+            try:
+                self.step_params([(group, p) for group in self.param_groups for p in group["params"]
+                                  if p.grad is not None])
+            except BaseException:
+                if self._full_groups() is not self.param_groups:  # DeepSpeed ZeRO-1/2 restores them only on success
+                    self.param_groups = self._all_groups
+                raise
         elif self.holds_deepspeed_buffers():
             raise RuntimeError(_IN_BACKWARD_UNDER_DEEPSPEED)
         return loss
@@ -455,20 +506,71 @@ class SMMF(Optimizer):
         """Whether DeepSpeed ZeRO has put flat buffers in this optimizer's groups in place of its params."""
         from .zero import is_deepspeed_buffer
 
-        given = [p for p, _ in self._given.values()]
-        return any(self._given.get(id(p), (None,))[0] is not p and is_deepspeed_buffer(p, given)
+        given = self._given.live()
+        return any(not self._given.holds(p) and is_deepspeed_buffer(p, given)
                    for group in self.param_groups for p in group["params"])
 
     def _check_options(self, group: dict[str, Any]) -> None:
         """Check a group's options again when they changed since the last check (schedulers and frameworks
-        write ``param_groups``): the constructor's checks, and messages. A tensor ``lr`` is checked at every
-        step, since it may change in place."""
+        write ``param_groups``): the constructor's checks, and messages, and the state of the group's DeepSpeed
+        ZeRO buffers against its layout options. A tensor ``lr`` is checked at every step, since it may change in
+        place."""
         if isinstance(group.get("lr"), Tensor) or self._checked.get(id(group)) != _options_key(group):
             _validate_group(group)  # raises before the key is kept: a refused value is checked again next step
+            self._check_buffer_layouts(group)
+            self._warn_fp16_rounding(group)
             if len(self._checked) > 2 * len(self.param_groups):  # forget groups that are gone
                 live = {id(g) for g in self.param_groups}
                 self._checked = {key: value for key, value in self._checked.items() if key in live}
             self._checked[id(group)] = _options_key(group)
+
+    def _warn_fp16_rounding(self, group: dict[str, Any]) -> None:
+        """``stochastic_rounding`` rounds bf16 weights only: say so, once per optimizer, for a group that asks for
+        it over fp16 weights (rounded to nearest)."""
+        if group["stochastic_rounding"] and not self._warned_fp16_rounding and any(
+                p.dtype == torch.float16 for p in group["params"]):
+            self._warned_fp16_rounding = True
+            warnings.warn("SMMF's stochastic_rounding=True rounds bf16 weights only: this group's fp16 weights are "
+                          "rounded to nearest. For low-precision weights stepped without an fp32 copy, use bf16 "
+                          "(smmf.RECOMMENDED_BF16); for fp16, keep fp32 master weights (torch.autocast and "
+                          "GradScaler, or DeepSpeed's fp16)", UserWarning, stacklevel=2)
+
+    def _full_groups(self) -> list[dict[str, Any]]:
+        """Every param group, also while DeepSpeed ZeRO-1/2 has cut ``param_groups`` to the one it steps (it
+        steps one group a call); a list of other groups put in their place becomes the groups."""
+        groups, full = self.param_groups, self._all_groups
+        if groups is not full:
+            if len(groups) < len(full) and all(any(g is f for f in full) for g in groups):
+                return full
+            self._all_groups = groups
+        return groups
+
+    def _check_engine_groups(self) -> None:
+        """Under DeepSpeed ZeRO, which steps one group (or sub-group) a call: every group's options and the
+        layouts of the buffers stepped before, checked before the first of them steps, so that a refusal in
+        any group leaves every group as it was."""
+        for group in self._full_groups():
+            self._check_options(group)
+
+    def _note_buffer_groups(self, buffers: Iterable[Tensor]) -> None:
+        """Remember the group of each DeepSpeed ZeRO buffer (stepped, or loaded from a checkpoint), by its place:
+        :meth:`_check_buffer_layouts` checks their state when another group steps."""
+        place = {id(p): i for i, group in enumerate(self._full_groups()) for p in group["params"]}
+        for buffer in buffers:
+            if id(buffer) in place:
+                self._buffer_groups[id(buffer)] = place[id(buffer)]
+
+    def _check_buffer_layouts(self, group: dict[str, Any]) -> None:
+        """The state of every DeepSpeed ZeRO buffer of ``group`` stepped before still fits its options."""
+        groups = self._full_groups()
+        for ident, index in list(self._buffer_groups.items()):
+            if index < len(groups) and groups[index] is group:
+                ref, partition = self._partitions[ident]
+                buffer = ref()
+                held = self.state.get(buffer) if buffer is not None else None
+                if buffer is not None and held and partition is not None:
+                    check_pieces(partition, group, buffer, held,
+                                 f"a DeepSpeed ZeRO buffer of {buffer.numel()} elements in param group {index}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As :meth:`torch.optim.Optimizer.zero_grad`; under :func:`smmf.step_in_backward` it does
@@ -519,6 +621,9 @@ class SMMF(Optimizer):
                 check_state_fits(param, group, before, code)
             state: dict[str, Any] = before if before else init_state(param, group)
             work.append((group, param, ordinal, grad, before, state, code, step_kernel(group["backend"], param, code)))
+        if buffers:
+            self._check_engine_groups()
+            self._note_buffer_groups(buffer for _, buffer, *_ in buffers)
         self._nonfinite.poll()
         # Kernels that take many tensors per launch (``kernel.batched``) get them all at once.
         batches: dict[Kernel, list[tuple[Tensor, Tensor, dict[str, Any], StepConfig]]] = {}
@@ -582,19 +687,21 @@ class SMMF(Optimizer):
     def _partition_of(self, param: Tensor) -> Optional[Partition]:
         """The pieces of the given params that ``param`` holds if it is a DeepSpeed ZeRO buffer in their place
         (:mod:`smmf.zero`), else None; found at its first step (a collective over its ranks) and kept."""
-        given = self._given.get(id(param))
-        if given is not None and given[0] is param:
+        if self._given.holds(param):
             return None
         known = self._partitions.get(id(param))
         if known is not None and known[0]() is param:
             return known[1]
         from .zero import find_partition
 
-        partition = find_partition(param, [p for p, _ in self._given.values()],
-                                   {ident: place for ident, (_, place) in self._given.items()})
+        partition = find_partition(param, self._given.live(), self._given.places())
         ident = id(param)
-        self._partitions[ident] = (weakref.ref(param, lambda _: self._partitions.pop(ident, None)), partition)
+        self._partitions[ident] = (weakref.ref(param, lambda _: self._forget_buffer(ident)), partition)
         return partition
+
+    def _forget_buffer(self, ident: int) -> None:
+        self._partitions.pop(ident, None)
+        self._buffer_groups.pop(ident, None)
 
     def _host_count(self, nonfinite: Any) -> int:
         """A kernel's count of NaN/inf elements as a number to add up; a CUDA count goes to the monitor as it is."""
@@ -763,6 +870,7 @@ class SMMF(Optimizer):
                     for key, spec in piece_layout(piece, options, buffer.dtype).items()},
                     STEP: int(cast(Any, saved[PIECES][piece.ordinal][STEP]))} for piece in partition.pieces},
                 PLACES: {piece.ordinal: piece.place for piece in partition.pieces}}
+        self._note_buffer_groups(param_of[pid][0] for pid in buffers)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -780,6 +888,14 @@ class SMMF(Optimizer):
         required = set(inspect.signature(SMMF.__init__).parameters) - {"self", "params", *_OPTIONAL_KEYS}
         param_of: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            zero_saved = any(_is_pieces_state(saved_state.get(pid)) for pid in saved.get("params", []))
+            if zero_saved and not any(self._partition_of(param) for param in group["params"]):
+                raise ValueError(
+                    f"loaded parameter group {index} holds the SMMF state of a DeepSpeed ZeRO partition (one rank's "
+                    f"pieces of the model's tensors under one flat buffer, '{PIECES}' by tensor), and this optimizer "
+                    "steps the model's own parameters. Load it where it was saved: engine.load_checkpoint under "
+                    "DeepSpeed, with the same ZeRO stage and number of ranks"
+                )
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError(
                     f"loaded parameter group {index} has {len(saved['params'])} parameters, "

@@ -20,16 +20,19 @@ What SMMF does not cover is refused at the first step, before anything changes (
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from types import FrameType
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .partitions import Partition, Piece, exchange
 
-__all__ = ["find_partition", "is_deepspeed_buffer"]
+__all__ = ["check_checkpoint", "find_partition", "is_deepspeed_buffer", "load_checkpoint", "stepping_to_make_state"]
 
 
 def is_deepspeed_buffer(tensor: Tensor, params: Sequence[Tensor]) -> bool:
@@ -126,6 +129,23 @@ def refuse_unsupported(zero_optimizer: Any, group: Any) -> None:
                            "parallelism alone, or FSDP2")
 
 
+def stepping_to_make_state() -> bool:
+    """Whether DeepSpeed is stepping the optimizer only to make its state: its fp16 and bf16 wrappers without
+    ZeRO (``FP16_UnfusedOptimizer``, ``FP16_Optimizer``) step it once at ``deepspeed.initialize`` with zero
+    gradients (``initialize_optimizer_states``). Found up the call stack; False where DeepSpeed is not imported."""
+    if "deepspeed" not in sys.modules:
+        return False
+    frame: Optional[FrameType] = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "initialize_optimizer_states" and \
+                type(frame.f_locals.get("self")).__module__.startswith("deepspeed.runtime."):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _calling_zero_optimizer() -> Any:
     """The DeepSpeed optimizer whose method called SMMF (its ``step``, ``load_state_dict``), found up the call
     stack; None where none is. Only its settings are read (:func:`refuse_unsupported`): stages 1 and 2 attach
@@ -151,3 +171,39 @@ def _unmapped(flat: Tensor) -> RuntimeError:
         "model's parameters: factorizing it as one tensor would not be SMMF. SMMF supports DeepSpeed ZeRO stages "
         "1, 2 and 3 when built with the model's parameters before deepspeed.initialize (or by the Hugging Face "
         "Trainer or Accelerate)")
+
+
+def check_checkpoint(engine: Any, load_dir: Union[str, os.PathLike], tag: Optional[str] = None) -> None:
+    """Raise ``ValueError`` unless the DeepSpeed checkpoint ``load_dir``/``tag`` (``tag`` None: the one its
+    ``latest`` file names) was saved at ``engine``'s number of data-parallel ranks and ZeRO stage, reading only
+    the checkpoint's first model-states file. DeepSpeed cannot re-cut ZeRO's partitions at another world size: it
+    refuses the load, or, under ZeRO-3 with frozen params, fails inside its module load with a size mismatch after
+    it has changed some of the weights."""
+    folder = Path(load_dir)
+    if tag is None:
+        latest = folder / "latest"
+        if not latest.is_file():
+            raise ValueError(f"{folder} has no 'latest' file: name the checkpoint's tag")
+        tag = latest.read_text().strip()
+    files = sorted((folder / str(tag)).glob("*model_states.pt"))
+    if not files:
+        raise ValueError(f"{folder / str(tag)} holds no DeepSpeed checkpoint (no *model_states.pt file)")
+    saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    world, stage = getattr(engine, "dp_world_size", None), engine.zero_optimization_stage()
+    saved_world = saved.get("dp_world_size")
+    saved_stage = (saved.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
+    if stage and saved_world is not None and world is not None and saved_world != world:
+        raise ValueError(f"{files[0].parent} was saved at {saved_world} data-parallel ranks and this engine runs "
+                         f"{world}: DeepSpeed cannot re-cut ZeRO's partitions of the weights and SMMF's state. "
+                         f"Resume at {saved_world} ranks")
+    if saved_stage != stage:
+        raise ValueError(f"{files[0].parent} was saved under ZeRO stage {saved_stage} and this engine runs stage "
+                         f"{stage}: resume under stage {saved_stage}")
+
+
+def load_checkpoint(engine: Any, load_dir: Union[str, os.PathLike], tag: Optional[str] = None,
+                    **kwargs: Any) -> Any:
+    """``engine.load_checkpoint(load_dir, tag, **kwargs)`` once :func:`check_checkpoint` found that it fits, so
+    that a checkpoint of another world size or stage is refused before anything changes; what it returns."""
+    check_checkpoint(engine, load_dir, tag)
+    return engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
