@@ -11,6 +11,7 @@ first case that needs it and listed there.
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 import time
@@ -20,12 +21,14 @@ os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="smmf-compile-")  # befo
 import torch  # noqa: E402
 
 import smmf  # noqa: E402
-from smmf.kernels.numba_cpu import levels, passes  # noqa: E402
+from smmf.kernels.numba_cpu import host, launches  # noqa: E402
 
-KERNELS = {"serial": passes._kernel_serial, "parallel": passes._kernel_parallel,
-           "flag serial": passes._flag_kernel_serial, "flag parallel": passes._flag_kernel_parallel,
-           "levels serial": levels._levels_kernel_serial, "levels parallel": levels._levels_kernel_parallel,
-           "shared": passes.many_kernel, "shared blocks": passes.many_blocks_kernel}
+# Each code's own kernels (the host's tables, by whether they run in parallel) and the shared launches.
+KERNELS = {**{f"{code.name.lower()} {'parallel' if parallel else 'serial'}": kernel
+              for code, kernels in host.KERNELS.items() for parallel, kernel in kernels.items()},
+           **{f"levels {'parallel' if parallel else 'serial'}": kernel for parallel, kernel in host.LEVELS_KERNELS.items()},
+           "shared": launches.many_kernel, "shared blocks": launches.many_blocks_kernel,
+           "shared levels": launches.many_levels_kernel, "shared flag": launches.many_flag_kernel}
 SHAPES = {"300×200": (300, 200), "600×600": (600, 600)}  # below and above the parallel launches' size (the
 # paper's code takes plain fp32 tensors of both into the shared launches)
 CODES = {"paper": {}, "flag": dict(magnitude_bits=1), "levels": dict(magnitude_bits=3)}
@@ -48,6 +51,7 @@ def compile_seconds(shape: tuple[int, int], dtype: torch.dtype, options: dict) -
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| dtype | param | code | compiled | seconds |\n|---|---|---|---|---|")
     total = 0.0

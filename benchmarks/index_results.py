@@ -6,6 +6,7 @@ machine its own report names.
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -60,5 +61,6 @@ def index() -> str:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     (RESULTS / "README.md").write_text(index())
     print(f"wrote {RESULTS / 'README.md'}: {len(run_folders())} run folders")

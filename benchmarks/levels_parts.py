@@ -9,6 +9,7 @@ Run on a quiet machine; name the CPU with the figures.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numba
@@ -55,6 +56,7 @@ def _ns_per_element(run, *args) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rng = np.random.default_rng(0)
     m = rng.standard_normal(ELEMENTS).astype(np.float32)
     codes = rng.integers(0, 256, size=(1, ELEMENTS // 2), dtype=np.uint8)

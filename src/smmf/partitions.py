@@ -13,7 +13,7 @@ piece as its whole tensor is stepped on one device:
   same calls whatever it holds;
 - a piece under the dense state (``vector_reshape=False``): elementwise, alone.
 
-Which pieces a buffer holds (:class:`Partition`) is read from DeepSpeed by :mod:`smmf.integrations.deepspeed`. The
+Which pieces a buffer holds (:class:`Partition`) is read from DeepSpeed by :mod:`smmf.zero`. The
 state of each piece (the factors of its whole tensor; the bits, codes or dense moments of its own elements) is kept
 under the buffer, ``optimizer.state[buffer] = {"pieces": {ordinal: state}, "places": {ordinal: (shape, start,
 numel)}}``, ``ordinal`` being the tensor's place among the params the optimizer was given (its dither and rounding

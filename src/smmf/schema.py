@@ -102,7 +102,7 @@ FACTORED_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(
 # The fields of packed bits, one per element (StateField.bits).
 BIT_FIELDS: frozenset[str] = frozenset(field.key for fields in SCHEMA.values() for field in fields if field.bits)
 
-# The numbers of a step, in the work dtype, as the kernels take them (smmf.functional.step_numbers makes them):
+# The numbers of a step, in the work dtype, as the kernels take them (``StepConfig.numbers`` in smmf.functional makes them):
 # lr; β1_t and 1 − β1_t (0 and 1 without a first moment); β2_t and 1 − β2_t (each rounded once from float64, as on
 # the torch path); ε; −1 to maximize, else 1; decoupled weight decay's factor 1 − lr·wd; coupled (L2) decay's
 # coefficient; the dtype's largest finite value (|g| above it is NaN/inf); what one element may add to a factor sum.
