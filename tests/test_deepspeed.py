@@ -31,6 +31,15 @@ RECOMMENDED = dict(smmf.RECOMMENDED)
 # The update of a whole run over STEPS steps, by tensor: DeepSpeed's params may differ from one process's by this
 # much of it (the order of the factor sums; with torch's Adam as the client this harness agrees to 7.5e-7).
 UPDATE_TOLERANCE = 1e-5
+# The same, for the codes of M that make a discrete choice per element (the magnitude flag's bit, the levels code's
+# level): float noise of that size can flip a choice, and a flipped flag moves its tensor's two levels. On an Intel
+# Xeon, 2 of 38,700 level codes flipped in 5 steps at 2 ranks (4.7e-4), and the flag's bits at 3 ranks (2.5e-3); an
+# error in the pieces' mapping gives O(1).
+DISCRETE_TOLERANCE = 5e-3
+
+
+def _tolerance(options: dict) -> float:
+    return DISCRETE_TOLERANCE if options.get("magnitude_bits", 0) else UPDATE_TOLERANCE
 
 
 def _battery(tmp_path: Path, world: int, jobs: list) -> dict:
@@ -116,8 +125,8 @@ def _equality_cases(world: int) -> list:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_zero_equals_one_process(tmp_path, one_thread, world: int) -> None:
-    """fp32: DeepSpeed's params after STEPS steps are the one-process run's to 1e-5 of their update, whatever the
-    stage, the code of M and the ranks; each rank's pieces keep the factors of their whole tensor. bf16 mixed
+    """fp32: DeepSpeed's params after STEPS steps are the one-process run's to 1e-5 of their update (5e-3 under the
+    codes that choose per element: DISCRETE_TOLERANCE), whatever the stage, the code of M and the ranks; each rank's pieces keep the factors of their whole tensor. bf16 mixed
     precision: DeepSpeed's fp32 masters step as the same masters stepped by hand in one process with the gradient
     DeepSpeed reduced, and the model's bf16 weights are those masters rounded to nearest."""
     cases = _equality_cases(world)
@@ -136,7 +145,7 @@ def test_zero_equals_one_process(tmp_path, one_thread, world: int) -> None:
                 numel = [p.numel() for p in workers.make_model().parameters()][ordinal]
                 assert (shapes["row_v"][0], shapes["col_v"][0]) == square_matricize_shape(numel), (name, ordinal)
     print(f"\nfp32, {world} rank(s), difference over the update: {gaps}")
-    assert max(gaps.values()) < UPDATE_TOLERANCE, gaps
+    assert all(gaps[name] < _tolerance(options) for name, options, _ in cases), gaps
     by_hand = results["bf16_by_hand"]
     print(f"bf16, {world} rank(s), per step: {by_hand}")
     for name, result in by_hand.items():
