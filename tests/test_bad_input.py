@@ -362,8 +362,8 @@ def test_options_are_checked_again_only_when_they_change(monkeypatch: pytest.Mon
     import smmf.optimizer as optimizer_module
 
     calls = []
-    check = optimizer_module._validate_group
-    monkeypatch.setattr(optimizer_module, "_validate_group", lambda group: (calls.append(1), check(group)))
+    check = optimizer_module.validate_group
+    monkeypatch.setattr(optimizer_module, "validate_group", lambda group: (calls.append(1), check(group)))
     param = torch.nn.Parameter(torch.randn(4, 6))
     opt = SMMF([param])
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3)

@@ -15,6 +15,7 @@ LAYERS = [
     {"state"},
     {"functional"},
     {"kernels", "kernels.contract", "kernels.numba_cpu", "kernels.triton_gpu"},
+    {"options"},
     {"shards", "distributed"},
     {"dispatch"},
     {"partitions", "zero"},

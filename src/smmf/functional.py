@@ -11,7 +11,7 @@ same algorithm on their band of rows in :mod:`smmf.distributed`; the fused kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .levels import counter_hash, decode_levels, encode_levels
 from .matrix import factor_sum_cap, nnmf_from_sums, pack_signs, unpack_signs
+from .schema import STEP_NUMBERS
 from .state import (
     CODES_M,
     COL_M,
@@ -88,13 +89,23 @@ class StepConfig:
 
     def numbers(self, dtype: torch.dtype) -> tuple[float, ...]:
         """The step's numbers as the fused kernels take them, but the factor sums' cap (which depends on the
-        tensor's size): :data:`smmf.schema.STEP_NUMBERS`' first ten, as Python floats, for weights computed in
-        ``dtype`` (β1_t and 1 − β1_t are 0 without a first moment; each 1 − β rounded once from float64)."""
+        tensor's size): :data:`smmf.schema.STEP_NUMBERS`' first ten, in its order, as Python floats, for weights
+        computed in ``dtype`` (β1_t and 1 − β1_t are 0 without a first moment; each 1 − β rounded once from
+        float64)."""
         gsign, shrink, l2 = self.folded()
         beta1 = 0.0 if self.beta1 is None else self.beta1
         rest1 = 0.0 if self.beta1 is None else 1.0 - self.beta1
-        return (self.lr, beta1, rest1, self.beta2, 1.0 - self.beta2, self.eps, gsign, shrink, l2,
-                float(torch.finfo(dtype).max))
+        named = dict(lr=self.lr, beta1=beta1, rest1=rest1,
+                     beta2=self.beta2, rest2=1.0 - self.beta2, eps=self.eps, gsign=gsign, shrink=shrink, l2=l2,
+                     big=float(torch.finfo(dtype).max))
+        return tuple(named[name] for name in STEP_NUMBERS[:-1])  # a number the schema adds and this lacks raises
+
+    def launch_key(self, dtype: torch.dtype) -> tuple:
+        """What the tensors of ``dtype`` that share one launch must agree on: every field of the config but the
+        ones each param has of its own (:data:`PER_PARAM_FIELDS`), with ``stochastic_rounding`` as it applies to
+        ``dtype``. Made from the fields, so that a field added to the config keeps two groups that differ in it
+        apart."""
+        return (dtype, *(getattr(self, name) for name in _group_fields(type(self))), self.rounds_stochastically(dtype))
 
     def folded(self) -> tuple[float, float, float]:
         """``(gsign, shrink, l2)``: maximize and weight decay as every path applies them —
@@ -105,6 +116,22 @@ class StepConfig:
             1.0 - self.lr * self.weight_decay if decoupled else 1.0,
             0.0 if decoupled else self.weight_decay,
         )
+
+
+# The fields of a StepConfig that each param of a group has of its own (StepConfig.for_param).
+PER_PARAM_FIELDS = ("levels_salt", "rounding_key")
+
+
+_GROUP_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _group_fields(config_type: type) -> tuple[str, ...]:
+    """The fields of a config type that are its group's, but ``stochastic_rounding`` (its dtype decides it)."""
+    names = _GROUP_FIELDS.get(config_type)
+    if names is None:
+        names = _GROUP_FIELDS[config_type] = tuple(field.name for field in fields(config_type)
+                                                   if field.name not in (*PER_PARAM_FIELDS, "stochastic_rounding"))
+    return names
 
 
 _ROUNDING_CHUNK = 1 << 20  # elements rounded at a time by write_back_

@@ -12,7 +12,6 @@ caching allocator does (512 B); the paper's figures were measured that way.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
@@ -20,6 +19,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .options import OPTIONS, validate_group
 from .sharding import local as local_shard
 from .state import state_layout
 from .table import format_table
@@ -34,24 +34,15 @@ ShapesLike = Union[torch.nn.Module, Iterable[Tensor], Iterable[Shape]]
 
 
 
-def _smmf_defaults() -> dict[str, object]:
-    """SMMF's constructor defaults: the predictor's options unless told otherwise."""
-    from .optimizer import SMMF
-
-    return {name: p.default for name, p in inspect.signature(SMMF.__init__).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-
-
 def _smmf_group(smmf_options: dict[str, object]) -> dict[str, object]:
-    """SMMF's constructor defaults updated with ``smmf_options``, checked as the constructor checks them."""
-    from .optimizer import _validate_group
-
-    defaults = _smmf_defaults()
+    """SMMF's defaults (:data:`smmf.options.OPTIONS`) updated with ``smmf_options``, checked as the constructor
+    checks them."""
+    defaults = {option.name: option.default for option in OPTIONS}
     unknown = sorted(set(smmf_options) - set(defaults))
     if unknown:
         raise ValueError(f"SMMF has no option {', '.join(map(repr, unknown))}; its options are {sorted(defaults)}")
     group = {**defaults, **smmf_options}
-    _validate_group(group)
+    validate_group(group)
     return group
 
 

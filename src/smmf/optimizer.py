@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
-import math
-import numbers
 import warnings
 import weakref
 from collections import OrderedDict
@@ -19,17 +16,16 @@ from .dispatch import Kernel, step_kernel
 from .functional import StepConfig
 from .partitions import (PIECES, PLACES, Partition, check_loaded_pieces, check_pieces, init_pieces, piece_layout,
                          step_partition_)
-from .kernels import check_backend
 from .levels import rounding_key, step_salt
 from .matrix import packed_sign_bytes
+from . import options as registry
+from .options import fill_optional, validate_group
 from .schedules import beta1_at, beta2_at
 from .sharding import (bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, placed_like, rows_from_flat,
                        shard_info)
 from .state import (
     BIT_FIELDS,
-    MAGNITUDE_BITS,
     MOMENTUM_CODE_DEFAULTS,
-    MOMENTUM_SHAPES,
     STEP,
     MomentumCode,
     check_loaded_state,
@@ -60,16 +56,6 @@ RECOMMENDED_BF16: dict[str, Any] = {**RECOMMENDED, "stochastic_rounding": True}
 rounded to bf16 stochastically (round to nearest loses every update under half a bf16 ulp of the weight; the
 rounding leaves fp32 and fp64 weights alone). The quality it keeps against fp32 weights, per task and phase of
 training, and the bytes per parameter: docs/training.md."""
-WEIGHT_DECAY_MODES = ("adamw", "adam")
-NONFINITE_GRADS = ("zero", "propagate")
-# Group keys a checkpoint may lack (they were added after 0.1 or are runtime choices): the
-# constructor's values are kept. ``backend`` is never taken from a checkpoint.
-_OPTIONAL_KEYS = ("maximize", "stochastic_rounding", "backend", "nonfinite_grads", "momentum_shape", "magnitude_bits",
-                  "momentum_rounding")
-MOMENTUM_ROUNDINGS = ("nearest", "stochastic")
-# Every option of a group, in the constructor's order: what a step checks again when one of them changed.
-_OPTION_KEYS = ("lr", "beta", "eps", "weight_decay", "decay_rate", "growth_rate", "vector_reshape",
-                "weight_decay_mode", *_OPTIONAL_KEYS)
 # Keys that torch adds to param groups: learning-rate schedulers (``swa_lr``: ``swa_utils.SWALR``), and
 # ``param_names`` in an optimizer built from ``named_parameters()`` (torch >= 2.6).
 _TORCH_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "swa_lr",
@@ -84,64 +70,6 @@ _graph_break: Callable[[Callable[..., Any]], Callable[..., Any]] = getattr(torch
                                                                       torch.compiler.disable)
 
 
-def _validate_group(group: dict[str, Any]) -> None:
-    """One check per hyperparameter; each message states the rule and the value."""
-    missing = [key for key in _OPTION_KEYS if key not in group]
-    if missing:
-        raise ValueError(f"a param group lacks SMMF's options {missing}: set them, or leave the group's keys be")
-    for name in ("lr", "eps", "weight_decay", "decay_rate", "beta", "growth_rate"):
-        value = group[name]
-        if isinstance(value, numbers.Real) and type(value) not in (int, float, bool):  # numpy's, as torch takes them
-            value = group[name] = float(value)
-        optional = name in ("beta", "growth_rate")
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool)) and not (
-            (optional and value is None) or (name == "lr" and isinstance(value, Tensor))
-        ):
-            raise ValueError(f"{name} should be a {'number or None' if optional else 'number'} but is: {value!r}")
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element but has {lr.numel()} elements")
-        lr = lr.item()
-    if not 0.0 <= lr < math.inf:
-        raise ValueError(f"Invalid learning rate: {lr} (must be finite and >= 0)")
-    beta = group["beta"]
-    if beta is not None and not 0.0 <= beta < 1.0:
-        raise ValueError(f"Invalid beta: {beta} (must be None or in [0, 1))")
-    if not 0.0 <= group["eps"] < math.inf:
-        raise ValueError(f"Invalid epsilon value: {group['eps']} (must be finite and >= 0)")
-    if not 0.0 <= group["weight_decay"] < math.inf:
-        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be finite and >= 0)")
-    if not -1.0 <= group["decay_rate"] <= 0.0:
-        raise ValueError(f"Invalid decay_rate: {group['decay_rate']} (must be in [-1, 0])")
-    growth_rate = group["growth_rate"]
-    if growth_rate is not None and not 0.0 <= growth_rate <= 1.0:
-        raise ValueError(f"Invalid growth_rate: {growth_rate} (must be None or in [0, 1])")
-    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
-        raise ValueError(
-            f"Unknown weight_decay_mode: {group['weight_decay_mode']!r}. "
-            f"It needs to be one of {list(WEIGHT_DECAY_MODES)}"
-        )
-    for flag in ("vector_reshape", "maximize", "stochastic_rounding"):
-        if not isinstance(group[flag], bool):
-            raise ValueError(f"{flag} should be a bool but is: {group[flag]!r}")
-    if group["nonfinite_grads"] not in NONFINITE_GRADS:
-        raise ValueError(
-            f"Unknown nonfinite_grads: {group['nonfinite_grads']!r}. It needs to be one of {list(NONFINITE_GRADS)}"
-        )
-    if group["momentum_shape"] not in MOMENTUM_SHAPES:
-        raise ValueError(
-            f"Unknown momentum_shape: {group['momentum_shape']!r}. It needs to be one of {list(MOMENTUM_SHAPES)}"
-        )
-    bits = group["magnitude_bits"]
-    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in MAGNITUDE_BITS:  # not 3.0
-        raise ValueError(f"magnitude_bits should be one of {list(MAGNITUDE_BITS)} but is: {bits!r}")
-    rounding = group["momentum_rounding"]
-    if rounding not in MOMENTUM_ROUNDINGS:
-        raise ValueError(f"Unknown momentum_rounding: {rounding!r}. It needs to be one of {list(MOMENTUM_ROUNDINGS)}")
-    check_backend(group["backend"])
-
-
 _MISSING = object()
 
 
@@ -149,7 +77,7 @@ def _options_key(group: dict[str, Any]) -> tuple:
     """A group's options as :meth:`SMMF._check_options` compares them: each value with its type (``True`` is not
     ``1``, ``3`` not ``3.0``), a tensor by identity, a missing key as missing."""
     return tuple((type(value), id(value) if isinstance(value, Tensor) else value)
-                 for value in (group.get(key, _MISSING) for key in _OPTION_KEYS))
+                 for value in (group.get(option.name, _MISSING) for option in registry.OPTIONS))
 
 
 def _is_pieces_state(saved: Any) -> bool:
@@ -404,24 +332,11 @@ class SMMF(Optimizer):
         momentum_rounding: Literal["nearest", "stochastic"] = "nearest",
         backend: Literal["auto", "torch", "numba", "triton"] = "auto",
     ) -> None:
-        defaults: dict[str, Any] = dict(
-            lr=lr,
-            beta=beta,
-            eps=eps,
-            weight_decay=weight_decay,
-            decay_rate=decay_rate,
-            growth_rate=growth_rate,
-            vector_reshape=vector_reshape,
-            weight_decay_mode=weight_decay_mode,
-            maximize=maximize,
-            stochastic_rounding=stochastic_rounding,
-            nonfinite_grads=nonfinite_grads,
-            momentum_shape=momentum_shape,
-            magnitude_bits=magnitude_bits,
-            momentum_rounding=momentum_rounding,
-            backend=backend,
-        )
-        _validate_group(defaults)
+        given = locals()
+        # The registry's options (smmf.options), at the values given here (tests/test_options.py: the same names
+        # and defaults as this signature).
+        defaults: dict[str, Any] = {option.name: given.get(option.name, option.default) for option in registry.OPTIONS}
+        validate_group(defaults)
         self._places: Optional[tuple[tuple, dict[int, tuple[int, dict[str, Any]]]]] = None  # see _places_now
         self._checked: dict[int, tuple] = {}  # see _check_options
         self._nonfinite = NonfiniteMonitor()
@@ -439,7 +354,7 @@ class SMMF(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
-            _validate_group(self.param_groups[-1])
+            validate_group(self.param_groups[-1])
             params = self.param_groups[-1]["params"]  # a param given twice is stepped once (torch warns)
             for param in params:
                 _reject_non_float(param)
@@ -454,13 +369,7 @@ class SMMF(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
-            group.setdefault("maximize", False)
-            group.setdefault("stochastic_rounding", False)
-            group.setdefault("nonfinite_grads", "zero")
-            group.setdefault("backend", "auto")
-            group.setdefault("momentum_rounding", "nearest")
-            for key, default in MOMENTUM_CODE_DEFAULTS.items():
-                group.setdefault(key, default)
+            fill_optional(group)
         self.__dict__.setdefault("_nonfinite", NonfiniteMonitor())
         self.__dict__.setdefault("_places", None)
         self.__dict__.setdefault("_checked", {})
@@ -516,7 +425,7 @@ class SMMF(Optimizer):
         ZeRO buffers against its layout options. A tensor ``lr`` is checked at every step, since it may change in
         place."""
         if isinstance(group.get("lr"), Tensor) or self._checked.get(id(group)) != _options_key(group):
-            _validate_group(group)  # raises before the key is kept: a refused value is checked again next step
+            validate_group(group)  # raises before the key is kept: a refused value is checked again next step
             self._check_buffer_layouts(group)
             self._warn_fp16_rounding(group)
             if len(self._checked) > 2 * len(self.param_groups):  # forget groups that are gone
@@ -837,7 +746,7 @@ class SMMF(Optimizer):
                                               if pid not in buffers}}
         # How each shard's state is placed (init_state refuses an unsupported placement: before the load).
         made = {pid: init_state(param, options) for pid, (param, options) in param_of.items() if is_dtensor(param)}
-        kept = [{key: group[key] for key in _OPTIONAL_KEYS} for group in self.param_groups]
+        kept = [{key: group[key] for key in registry.names(optional=True)} for group in self.param_groups]
         # torch's loader, without the hooks: they run here, around our restore.
         hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = OrderedDict(), OrderedDict()
@@ -849,9 +758,8 @@ class SMMF(Optimizer):
         # constructor's values win over those.
         for group, saved, own in zip(self.param_groups, state_dict["param_groups"], kept):
             for key, value in own.items():
-                if key not in saved:
+                if key not in saved or key in registry.names(from_checkpoint=False):
                     group[key] = value
-            group["backend"] = own["backend"]
         for pid, saved in state_dict["state"].items():
             param, options = param_of[pid]
             state = self.state[param]
@@ -885,7 +793,7 @@ class SMMF(Optimizer):
                 f"the optimizer has {len(self.param_groups)}"
             )
         saved_state = state_dict["state"]
-        required = set(inspect.signature(SMMF.__init__).parameters) - {"self", "params", *_OPTIONAL_KEYS}
+        required = set(registry.names(optional=False))
         param_of: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             zero_saved = any(_is_pieces_state(saved_state.get(pid)) for pid in saved.get("params", []))
@@ -917,8 +825,9 @@ class SMMF(Optimizer):
                         f"optimizer's has {key}={group[key]!r}: its state has another layout. Build the optimizer "
                         f"with {key}={saved.get(key, default)!r} to continue that run"
                     )
-            options = {**group, **{k: v for k, v in saved.items() if k not in ("params", "backend")}}
-            _validate_group(options)
+            options = {**group, **{k: v for k, v in saved.items()
+                                   if k not in ("params", *registry.names(from_checkpoint=False))}}
+            validate_group(options)
             for param, pid in zip(group["params"], saved["params"]):
                 param_of[pid] = (param, options)
                 partition = self._partition_of(param)

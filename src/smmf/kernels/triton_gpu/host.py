@@ -25,8 +25,9 @@ from .table import META_COLUMNS, TABLE_FIELDS, layout, levels_layout
 
 
 def _config_key(cfg: StepConfig, dtype: torch.dtype) -> tuple:
-    return (dtype, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.decoupled_weight_decay,
-            cfg.maximize, cfg.zero_nonfinite, cfg.rounds_stochastically(dtype))
+    """The tensors that may share a launch (the config's fields, ``StepConfig.launch_key``); its last item says
+    whether ``dtype``'s weights round stochastically."""
+    return cfg.launch_key(dtype)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

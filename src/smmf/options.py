@@ -1,0 +1,128 @@
+"""SMMF's options, registered once: each one's name, default, check, and how checkpoints treat it.
+
+The optimizer derives from :data:`OPTIONS` (read at each use) its group defaults (the constructor's keywords must name the same
+options with the same defaults: ``tests/test_options.py``), the checks of a group (:func:`validate_group`), the keys
+a checkpoint of an older version may lack (filled with the optimizer's values) and the runtime choices a checkpoint
+never sets. What a step's kernels see of the options is :class:`smmf.functional.StepConfig`, made from a group by
+the optimizer; a launch shared by many tensors groups them by every field of it (``StepConfig.launch_key``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from torch import Tensor
+
+from .kernels import check_backend
+from .state import MAGNITUDE_BITS, MOMENTUM_CODE_DEFAULTS, MOMENTUM_SHAPES
+
+__all__ = ["OPTIONS", "Option", "fill_optional", "names", "validate_group"]
+
+WEIGHT_DECAY_MODES = ("adamw", "adam")
+NONFINITE_GRADS = ("zero", "propagate")
+MOMENTUM_ROUNDINGS = ("nearest", "stochastic")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a param group. ``check(group)`` raises ``ValueError`` stating the rule and the value (it may
+    normalize the value in place: numpy's numbers become floats). ``optional``: a checkpoint may lack it (it was
+    added after 0.1), and the optimizer's value is kept. ``from_checkpoint``: False for a runtime choice, which a
+    checkpoint never sets."""
+
+    name: str
+    default: Any
+    check: Callable[[dict[str, Any]], None]
+    optional: bool = False
+    from_checkpoint: bool = True
+
+
+def _number(name: str, lo: float, hi: float, rule: str, label: Optional[str] = None, none: bool = False,
+            include_hi: bool = False) -> Callable[[dict[str, Any]], None]:
+    """A real number in [lo, hi) (or [lo, hi] with ``include_hi``), or None where ``none``."""
+
+    def check(group: dict[str, Any]) -> None:
+        value = group[name]
+        if isinstance(value, numbers.Real) and type(value) not in (int, float, bool):  # numpy's, as torch takes them
+            value = group[name] = float(value)
+        if none and value is None:
+            return
+        if isinstance(value, Tensor) and name == "lr":
+            if value.numel() != 1:
+                raise ValueError(f"Tensor lr must be 1-element but has {value.numel()} elements")
+            value = value.item()
+        elif not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{name} should be a {'number or None' if none else 'number'} but is: {value!r}")
+        if not (lo <= value <= hi if include_hi else lo <= value < hi):
+            raise ValueError(f"{label or f'Invalid {name}'}: {value} ({rule})")
+
+    return check
+
+
+def _flag(name: str) -> Callable[[dict[str, Any]], None]:
+    def check(group: dict[str, Any]) -> None:
+        if not isinstance(group[name], bool):
+            raise ValueError(f"{name} should be a bool but is: {group[name]!r}")
+
+    return check
+
+
+def _one_of(name: str, choices: tuple) -> Callable[[dict[str, Any]], None]:
+    def check(group: dict[str, Any]) -> None:
+        if group[name] not in choices:
+            raise ValueError(f"Unknown {name}: {group[name]!r}. It needs to be one of {list(choices)}")
+
+    return check
+
+
+def _magnitude_bits(group: dict[str, Any]) -> None:
+    bits = group["magnitude_bits"]
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in MAGNITUDE_BITS:  # not 3.0
+        raise ValueError(f"magnitude_bits should be one of {list(MAGNITUDE_BITS)} but is: {bits!r}")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("lr", 1e-3, _number("lr", 0.0, math.inf, "must be finite and >= 0", "Invalid learning rate")),
+    Option("beta", 0.9, _number("beta", 0.0, 1.0, "must be None or in [0, 1)", none=True)),
+    Option("eps", 1e-8, _number("eps", 0.0, math.inf, "must be finite and >= 0", "Invalid epsilon value")),
+    Option("weight_decay", 0.0, _number("weight_decay", 0.0, math.inf, "must be finite and >= 0",
+                                         "Invalid weight_decay value")),
+    Option("decay_rate", -0.5, _number("decay_rate", -1.0, 0.0, "must be in [-1, 0]", include_hi=True)),
+    Option("growth_rate", 0.999, _number("growth_rate", 0.0, 1.0, "must be None or in [0, 1]", none=True,
+                                         include_hi=True)),
+    Option("vector_reshape", True, _flag("vector_reshape")),
+    Option("weight_decay_mode", "adamw", _one_of("weight_decay_mode", WEIGHT_DECAY_MODES)),
+    Option("maximize", False, _flag("maximize"), optional=True),
+    Option("stochastic_rounding", False, _flag("stochastic_rounding"), optional=True),
+    Option("nonfinite_grads", "zero", _one_of("nonfinite_grads", NONFINITE_GRADS), optional=True),
+    Option("momentum_shape", MOMENTUM_CODE_DEFAULTS["momentum_shape"], _one_of("momentum_shape", MOMENTUM_SHAPES),
+           optional=True),
+    Option("magnitude_bits", MOMENTUM_CODE_DEFAULTS["magnitude_bits"], _magnitude_bits, optional=True),
+    Option("momentum_rounding", "nearest", _one_of("momentum_rounding", MOMENTUM_ROUNDINGS), optional=True),
+    Option("backend", "auto", lambda group: check_backend(group["backend"]), optional=True, from_checkpoint=False),
+)
+
+
+def names(optional: Optional[bool] = None, from_checkpoint: Optional[bool] = None) -> tuple[str, ...]:
+    """The options' names, in the registry's order; those with the given ``optional`` / ``from_checkpoint``."""
+    return tuple(option.name for option in OPTIONS if optional in (None, option.optional)
+                 and from_checkpoint in (None, option.from_checkpoint))
+
+
+def validate_group(group: dict[str, Any]) -> None:
+    """Every option of ``group`` checked, in the registry's order; each message states the rule and the value."""
+    missing = [name for name in names() if name not in group]
+    if missing:
+        raise ValueError(f"a param group lacks SMMF's options {missing}: set them, or leave the group's keys be")
+    for option in OPTIONS:
+        option.check(group)
+
+
+def fill_optional(group: dict[str, Any]) -> None:
+    """The optional options a group (of an older checkpoint) lacks, at their defaults."""
+    for option in OPTIONS:
+        if option.optional:
+            group.setdefault(option.name, option.default)
