@@ -20,7 +20,7 @@ from .kernels import FUSED, StepItem, fused_backend, load_backend
 from .sharding import is_dtensor, shard_info
 from .state import MomentumCode
 
-__all__ = ["Kernel", "shard_backend", "step_kernel"]
+__all__ = ["Kernel", "Route", "explain", "shard_backend", "step_kernel"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,24 @@ class Kernel:
     steps_: Callable[[Sequence[StepItem]], Nonfinite]
     batched: bool
     raw_writes: bool
+    backend: Optional[Any] = None  # the fused backend (smmf.kernels.Backend) behind it, if any
+
+
+@dataclass(frozen=True)
+class Route:
+    """How :class:`smmf.SMMF` steps one of its params (:meth:`smmf.SMMF.routes`): the param's ``group`` and
+    ``index`` in it, its shape, dtype and device, its code of M, the ``kernel`` (torch, numba, triton, their DTensor
+    forms, or a DeepSpeed ZeRO partition's pieces), the ``launch`` within it, and ``why`` it goes there."""
+
+    group: int
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    code: str
+    kernel: str
+    launch: str
+    why: str
 
 
 def _one_at_a_time(step_: Callable[[Tensor, Tensor, dict, StepConfig], Nonfinite]) -> Callable[[Sequence[StepItem]], Nonfinite]:
@@ -53,8 +71,8 @@ def _fused(name: str, sharded: bool) -> Kernel:
     backend = load_backend(name)
     if sharded:  # batched: one all-reduce for all the shards of a step
         return Kernel(f"sharded {name}", functools.partial(fused_sharded_steps_, backend=backend), batched=True,
-                      raw_writes=True)
-    return Kernel(name, backend.steps_, batched=True, raw_writes=True)
+                      raw_writes=True, backend=backend)
+    return Kernel(name, backend.steps_, batched=True, raw_writes=True, backend=backend)
 
 
 def _complex_goes_to_torch(param: Tensor) -> bool:
@@ -75,29 +93,41 @@ def step_kernel(backend: str, param: Tensor, code: MomentumCode) -> Kernel:
     raises ``RuntimeError``; the dense state and complex CPU params take the torch path whatever
     backend is named.
     """
+    return explain(backend, param, code)[0]
+
+
+def explain(backend: str, param: Tensor, code: MomentumCode) -> tuple[Kernel, str]:
+    """:func:`step_kernel`'s answer and why it is that path, in words (:meth:`smmf.SMMF.routes`)."""
     sharded = is_dtensor(param)
     if sharded:
         shard_info(param)  # unsupported placements fail here, before any update
     # Asked for every param at every step; the answer depends on nothing else (a refusal is not kept).
     # Keyed on the device, not its type (cheaper to hash, at every param): its index only splits entries.
     key = (backend, param.device, param.dtype, code, sharded)
-    kernel = _CHOSEN.get(key)
-    if kernel is None:
-        kernel = _CHOSEN.setdefault(key, _choose(backend, param, code, sharded))
-    return kernel
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        chosen = _CHOSEN.setdefault(key, _choose(backend, param, code, sharded))
+    return chosen
 
 
-_CHOSEN: dict[tuple[str, torch.device, torch.dtype, MomentumCode, bool], Kernel] = {}
+_CHOSEN: dict[tuple[str, torch.device, torch.dtype, MomentumCode, bool], tuple[Kernel, str]] = {}
 
 
-def _choose(backend: str, param: Tensor, code: MomentumCode, sharded: bool) -> Kernel:
-    if backend == "torch" or code is MomentumCode.DENSE or (not sharded and _complex_goes_to_torch(param)):
-        return SHARDED_TORCH if sharded else TORCH
+def _choose(backend: str, param: Tensor, code: MomentumCode, sharded: bool) -> tuple[Kernel, str]:
+    torch_path = SHARDED_TORCH if sharded else TORCH
+    if backend == "torch":
+        return torch_path, "backend='torch'"
+    if code is MomentumCode.DENSE:
+        return torch_path, "the dense state of a vector (vector_reshape=False) takes the torch path"
+    if not sharded and _complex_goes_to_torch(param):
+        return torch_path, f"no fused backend takes complex params on {param.device.type}"
     fused = fused_backend(backend, param, code, sharded)
     if fused is not None:
-        return _fused(fused.name, sharded)
+        return _fused(fused.name, sharded), (f"backend={backend!r}: {fused.name} takes {param.dtype} params on "
+                                             f"{param.device.type}{' (DTensor shards)' if sharded else ''}")
     if backend == "auto":
-        return SHARDED_TORCH if sharded else TORCH
+        return torch_path, (f"backend='auto': no installed fused backend takes {param.dtype} params on "
+                            f"{param.device.type}{' as DTensor shards' if sharded else ''}")
     if sharded:
         raise RuntimeError(f"backend {backend!r} cannot update this DTensor parameter ({param.dtype} on "
                            f"{param.device}, momentum code {code.value}); use backend='auto' or 'torch'")

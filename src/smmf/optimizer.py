@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .dispatch import Kernel, step_kernel
+from .dispatch import Kernel, Route, explain, step_kernel
 from .functional import StepConfig
 from .partitions import (PIECES, PLACES, Partition, check_loaded_pieces, check_pieces, init_pieces, piece_layout,
                          step_partition_)
@@ -418,6 +418,32 @@ class SMMF(Optimizer):
         given = self._given.live()
         return any(not self._given.holds(p) and is_deepspeed_buffer(p, given)
                    for group in self.param_groups for p in group["params"])
+
+    def routes(self) -> list[Route]:
+        """Which path steps each param of each group, and why: the backend and kernel (:mod:`smmf.dispatch`), the
+        launch the kernel makes of it (a fused backend's shared launches, by size, dtype, layout and code of M),
+        for users asking where a step's time goes. A param without state is described as its first step would
+        take it; nothing is stepped or stored. DeepSpeed ZeRO buffers are named as such."""
+        found = []
+        for g, group in enumerate(self.param_groups):
+            for i, param in enumerate(group["params"]):
+                where = (g, i, tuple(param.shape), param.dtype, param.device)
+                if self._partition_of(param) is not None:
+                    found.append(Route(*where, code="per piece", kernel="DeepSpeed ZeRO partition",
+                                       launch="pieces", why="a flat buffer DeepSpeed put in this group: each piece "
+                                       "of a tensor is stepped as that tensor (whole) or by the shard passes (cut)"))
+                    continue
+                code = momentum_code(param, group)
+                kernel, why = explain(group["backend"], param, code)
+                state = self.state.get(param) or init_state(param, group)
+                launch, how = kernel.name, "one tensor at a time"
+                if kernel.backend is not None and not is_dtensor(param):
+                    cfg = self._step_config(group, state.get(STEP, 0) + 1, code)
+                    launch, how = kernel.backend.launch_of(param, state, cfg)
+                elif kernel.backend is not None:
+                    how = "this rank's shard, one all-reduce of the sums for every shard of the step"
+                found.append(Route(*where, code=code.value, kernel=kernel.name, launch=launch, why=f"{why}; {how}"))
+        return found
 
     def _check_options(self, group: dict[str, Any]) -> None:
         """Check a group's options again when they changed since the last check (schedulers and frameworks

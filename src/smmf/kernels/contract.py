@@ -87,6 +87,9 @@ class Backend(Protocol):
     def updating_flag_pass(self, cfg: StepConfig) -> int:
         """Which of the flag's two shard passes steps the weights (and reports the NaN/inf count)."""
 
+    def launch_of(self, param: Tensor, state: dict[str, Any], cfg: StepConfig) -> tuple[str, str]:
+        """The launch that steps a whole tensor in :meth:`steps_`, and why, in words (:meth:`smmf.SMMF.routes`)."""
+
 
 class LevelsEnds(NamedTuple):
     """A piece's first and last blocks under the levels code, between the ranks' sum and their codes: their M

@@ -26,8 +26,8 @@ from torch import Tensor
 from ...functional import StepConfig
 from ...state import COL_V, ROW_V, MomentumCode
 from ..contract import FlagPass
-from .host import (follow_torch_threads, launch, launch_levels, levels_piece_ends, levels_piece_pass, steps_,
-                   updating_flag_pass)
+from .host import (LAUNCHES, follow_torch_threads, launch, launch_levels, launch_of, levels_piece_ends,
+                   levels_piece_pass, steps_, updating_flag_pass)
 
 __all__ = ["BACKEND", "numba_flag_shard_pass_", "numba_shard_step_", "numba_step_", "numba_steps_",
            "updating_flag_pass"]
@@ -68,6 +68,12 @@ class _Numba:
     shard_step_ = staticmethod(numba_shard_step_)
     flag_shard_pass_ = staticmethod(numba_flag_shard_pass_)
     updating_flag_pass = staticmethod(updating_flag_pass)
+
+    @staticmethod
+    def launch_of(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> tuple[str, str]:
+        """The launch that steps a whole tensor, and the rule that sends it there."""
+        name = launch_of(param, state, cfg)
+        return name, LAUNCHES[name]
 
     levels_piece_pass_ = staticmethod(levels_piece_pass)  # serial: a piece is one rank's
     levels_piece_ends_ = staticmethod(levels_piece_ends)

@@ -487,26 +487,52 @@ def _blocks_launch(items: Sequence[StepItem]) -> int:
     return tables.bad([int(bad_counts[first:first + blocks].sum()) for *_, blocks, _, _, _, first in sizes])
 
 
+# The launches a whole tensor's step may take (launch_of), each with the rule that sends a tensor there.
+LAUNCHES = {
+    "many_blocks_kernel": f"contiguous fp32, {PARALLEL_MIN_NUMEL} to {BLOCKS_MAX_NUMEL - 1} elements, the paper's "
+                          "code, its natural shape or no first moment: one launch over every such tensor's blocks",
+    "many_kernel": f"contiguous fp32, under {PARALLEL_MIN_NUMEL} elements, the paper's code, its natural shape or no "
+                   "first moment: one launch for every such tensor, a tensor per thread",
+    "many_levels_kernel": f"contiguous fp32, under {PARALLEL_MIN_NUMEL} elements, the levels code: one launch for "
+                          "every such tensor, a tensor per thread",
+    "many_flag_kernel": f"contiguous fp32, under {PARALLEL_MIN_NUMEL} elements, the magnitude flag: one launch for "
+                        "every such tensor, a tensor per thread",
+    "own launch": "a launch of its own (bf16, fp64, strided, large, or a large tensor of the flag or the levels "
+                  f"code), parallel over blocks of rows from {PARALLEL_MIN_NUMEL} elements",
+}
+
+
+def launch_of(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> str:
+    """Which of :data:`LAUNCHES` steps a whole tensor."""
+    if takes_blocks(param, state, cfg):
+        return "many_blocks_kernel"
+    if takes_many(param, state, cfg):
+        return "many_kernel"
+    if takes_many_levels(param, state, cfg):
+        return "many_levels_kernel"
+    if takes_many_flag(param, state, cfg):
+        return "many_flag_kernel"
+    return "own launch"
+
+
 def steps_(items: Sequence[StepItem]) -> int:
     """The steps of many tensors: the small plain fp32 ones in one launch (:func:`many_kernel`), the
     mid-sized ones in another (:func:`many_blocks_kernel`), the small fp32 ones of the levels code and of the
     magnitude flag in one each (:func:`many_levels_kernel`, :func:`many_flag_kernel`), each also when alone; the
-    rest one by one."""
+    rest one by one (:func:`launch_of`)."""
     follow_torch_threads()
     bad = 0
-    tables, sizes, large, small_levels, small_flag, own = _SharedTables(), [], [], [], [], []
+    tables, sizes = _SharedTables(), []
+    taken: dict[str, list[StepItem]] = {name: [] for name in LAUNCHES}
     for item in items:
         param, grad, state, cfg = item
-        if takes_blocks(param, state, cfg):
-            large.append(item)
-        elif takes_many(param, state, cfg):
+        route = launch_of(param, state, cfg)
+        if route == "many_kernel":
             sizes.append(tables.add(param, grad, state, cfg))
-        elif takes_many_levels(param, state, cfg):
-            small_levels.append(item)
-        elif takes_many_flag(param, state, cfg):
-            small_flag.append(item)
         else:
-            own.append(item)
+            taken[route].append(item)
+    large, small_levels = taken["many_blocks_kernel"], taken["many_levels_kernel"]
+    small_flag, own = taken["many_flag_kernel"], taken["own launch"]
     if large:
         bad += _blocks_launch(large)
     if small_levels:

@@ -416,6 +416,19 @@ class _Triton:
 
     name = "triton"
     steps_ = staticmethod(triton_steps_)
+
+    @staticmethod
+    def launch_of(param: Tensor, state: dict[str, Any], cfg: StepConfig) -> tuple[str, str]:
+        """The launches that step a whole tensor (:func:`triton_steps_`), and why."""
+        if cfg.code is MomentumCode.LEVELS:
+            return "levels launches", ("the levels code: V's sums, then a step over 16 blocks of M per program, "
+                                       "shared by the tensors of its dtype and configuration")
+        _, m = matrix_shape(real_view(param))
+        natural = momentum_cols(state, m) != m
+        launches = 5 if cfg.code is MomentumCode.FLAG else 3 if natural else 2
+        return f"{launches} grouped launches", (f"{cfg.code.value} code{', natural shape' if natural else ''}: "
+                                                f"{launches} launches shared by the tensors of its dtype, "
+                                                "configuration and sign alignment")
     shard_step_ = staticmethod(triton_shard_step_)
     flag_shard_pass_ = staticmethod(triton_flag_shard_pass_)
 
