@@ -74,3 +74,19 @@ def test_the_sharded_step_does_not_pick_kernels() -> None:
     source = (SRC / "distributed.py").read_text()
     assert "numba_cpu" not in source and "triton_gpu" not in source and "is_cuda" not in source
     assert not {"kernels.numba_cpu", "kernels.triton_gpu", "dispatch"} & _imports(SRC / "distributed.py")
+
+
+def test_import_smmf_loads_no_engine_code() -> None:
+    """``import smmf`` loads neither DeepSpeed ZeRO's partitions nor the step inside backward: the optimizer imports
+    them when it meets a ZeRO buffer, and ``smmf.step_in_backward`` when it is first asked for."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, smmf; print(sorted(m for m in sys.modules if m.startswith('smmf.'))); "
+             "smmf.step_in_backward; print('smmf.backward' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded, asked = done.stdout.splitlines()
+    for engine in ("smmf.partitions", "smmf.zero", "smmf.backward", "smmf.backward_ranks"):
+        assert f"'{engine}'" not in loaded, loaded
+    assert asked == "True"

@@ -14,13 +14,12 @@ from torch.optim import Optimizer
 
 from .dispatch import Kernel, Route, explain, step_kernel
 from .functional import StepConfig
-from .partitions import (PIECES, PLACES, Partition, check_loaded_pieces, check_pieces, init_pieces, piece_layout,
-                         step_partition_)
 from .levels import rounding_key, step_salt
 from .matrix import packed_sign_bytes
 from . import options as registry
 from .options import fill_optional, validate_group
 from .schedules import beta1_at, beta2_at
+from .schema import PIECES, PLACES
 from .sharding import (bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, placed_like, rows_from_flat,
                        shard_info)
 from .state import (
@@ -37,6 +36,7 @@ from .state import (
 
 if TYPE_CHECKING:
     from .backward import StepInBackward
+    from .partitions import Partition
 
 __all__ = ["RECOMMENDED", "RECOMMENDED_BF16", "SMMF"]
 
@@ -497,6 +497,9 @@ class SMMF(Optimizer):
 
     def _check_buffer_layouts(self, group: dict[str, Any]) -> None:
         """The state of every DeepSpeed ZeRO buffer of ``group`` stepped before still fits its options."""
+        if not self._buffer_groups:
+            return
+        from .partitions import check_pieces
         groups = self._full_groups()
         for ident, index in list(self._buffer_groups.items()):
             if index < len(groups) and groups[index] is group:
@@ -543,7 +546,9 @@ class SMMF(Optimizer):
             seen.add(id(param))
             _check_grad(param, grad)
             partition = self._partition_of(param)
-            if partition is not None:
+            if partition is not None:  # a DeepSpeed ZeRO buffer: its pieces, by smmf.partitions
+                from .partitions import check_pieces, init_pieces
+
                 held = self.state.get(param)
                 if held:
                     check_pieces(partition, group, param, held, f"a DeepSpeed ZeRO buffer of {param.numel()} elements")
@@ -587,6 +592,8 @@ class SMMF(Optimizer):
                 pending = [entry for entry in pending if id(entry[0]) not in done]
                 met += self._host_count(nonfinite)
             for group, buffer, grad, partition, before, held in buffers:
+                from .partitions import step_partition_
+
                 pending.append((buffer, before))
                 if held is not before:
                     self.state[buffer] = held
@@ -795,6 +802,8 @@ class SMMF(Optimizer):
                 state[key] = value.to(param.device, spec.dtype, copy=True, memory_format=torch.contiguous_format)
             state[STEP] = int(cast(Any, saved[STEP]))
         for pid, saved in buffers.items():
+            from .partitions import piece_layout
+
             buffer, options = param_of[pid]
             partition = self._partition_of(buffer)
             assert partition is not None
@@ -858,6 +867,8 @@ class SMMF(Optimizer):
                 param_of[pid] = (param, options)
                 partition = self._partition_of(param)
                 if partition is not None and pid in saved_state:
+                    from .partitions import check_loaded_pieces
+
                     check_loaded_pieces(partition, options, param, saved_state[pid], f"parameter {pid}")
                 elif pid in saved_state:
                     check_loaded_state(param, options, saved_state[pid], f"parameter {pid}")

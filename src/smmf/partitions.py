@@ -35,6 +35,7 @@ from .dispatch import Kernel, shard_backend, step_kernel
 from .functional import Nonfinite, StepConfig, torch_step_
 from .levels import block_span, piece_codes_shape
 from .matrix import packed_sign_bytes
+from .schema import PIECES, PLACES
 from .shards import Rounds, add_counts, fused_shard_rounds, levels_piece_rounds, run_rounds, torch_shard_rounds
 from .state import (
     BIT_FIELDS,
@@ -54,7 +55,6 @@ from .state import (
 __all__ = ["CutTensor", "Partition", "Piece", "PIECES", "PLACES", "check_loaded_pieces", "check_pieces", "exchange",
            "init_pieces", "piece_layout", "step_partition_"]
 
-PIECES, PLACES = "pieces", "places"  # the keys of a buffer's state
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ FLAG_M, LEVELS_M = "flag_m", "levels_m"  # the magnitude flag's bits [|M| > r cá
 CODES_M, SCALES_M = "codes_m", "scales_m"  # the levels code: 4-bit codes two per byte; a bf16 scale per block
 EXP_AVG, EXP_AVG_SQ = "exp_avg", "exp_avg_sq"  # the dense state of vectors (vector_reshape=False)
 STEP = "step"  # a plain int
+PIECES, PLACES = "pieces", "places"  # a DeepSpeed ZeRO buffer's state: its pieces' states, their places
 
 
 class Dims(NamedTuple):
