@@ -401,3 +401,17 @@ def test_numpy_hyperparameters_are_taken_as_python_floats() -> None:
     opt.step()
     ref.step()
     assert torch.equal(param, twin)
+
+
+def test_a_refused_step_leaves_a_users_own_list_of_groups_as_it_is() -> None:
+    """A refused step puts back the groups DeepSpeed ZeRO-1/2 cut to the one it steps; a user's own shorter list of
+    the same groups (holding the params given, not ZeRO's buffers) stays as the user left it."""
+    first, second = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(4, 6))
+    opt = SMMF([{"params": [first]}, {"params": [second]}])
+    kept = opt.param_groups[:1]
+    opt.param_groups = kept
+    kept[0]["lr"] = float("nan")
+    first.grad = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.step()
+    assert opt.param_groups is kept

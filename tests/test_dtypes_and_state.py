@@ -88,7 +88,8 @@ def test_recommended_bf16_is_recommended_with_stochastic_rounding_of_bf16_weight
 
 def test_stochastic_rounding_asked_for_fp16_weights_warns_once_that_it_rounds_to_nearest() -> None:
     """fp16 weights with ``stochastic_rounding=True`` were rounded to nearest without a word. It warns once per
-    optimizer (at the first step, and not for the steps after), and bf16 and fp32 groups do not warn."""
+    optimizer (at the first step, not for its second fp16 group nor for the steps after), and bf16 and fp32 groups do
+    not warn."""
     import warnings
 
     half = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.float16))
@@ -100,10 +101,10 @@ def test_stochastic_rounding_asked_for_fp16_weights_warns_once_that_it_rounds_to
             param.grad = torch.ones_like(param)
         quiet.step()
         assert not [w for w in caught if "stochastic_rounding" in str(w.message)]
-        opt = SMMF([{"params": [half]}, {"params": [torch.nn.Parameter(torch.ones(4, dtype=torch.float16))]}],
-                   stochastic_rounding=True)
+        vector = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        opt = SMMF([{"params": [half]}, {"params": [vector]}], stochastic_rounding=True)
         for _ in range(3):
-            half.grad = torch.ones_like(half)
+            half.grad, vector.grad = torch.ones_like(half), torch.ones_like(vector)
             opt.step()
     said = [w for w in caught if "stochastic_rounding" in str(w.message)]
     assert len(said) == 1 and "fp16 weights are rounded to nearest" in str(said[0].message), said

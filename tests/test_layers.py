@@ -77,12 +77,15 @@ def test_the_sharded_step_does_not_pick_kernels() -> None:
 
 
 def test_import_smmf_loads_no_engine_code() -> None:
-    """``import smmf`` loads neither DeepSpeed ZeRO's partitions nor the step inside backward: the optimizer imports
-    them when it meets a ZeRO buffer, and ``smmf.step_in_backward`` when it is first asked for."""
+    """``import smmf``, a step and ``routes()`` load neither DeepSpeed ZeRO's partitions nor the step inside backward:
+    the optimizer imports them when it meets a ZeRO buffer, and ``smmf.step_in_backward`` when it is first asked
+    for."""
     import subprocess
     import sys
 
-    probe = ("import sys, smmf; print(sorted(m for m in sys.modules if m.startswith('smmf.'))); "
+    probe = ("import sys, torch, smmf; p = torch.nn.Parameter(torch.ones(4, 4)); p.grad = torch.ones(4, 4); "
+             "smmf.SMMF([p], backend='torch').step(); smmf.SMMF([p]).routes(); "
+             "print(sorted(m for m in sys.modules if m.startswith('smmf.'))); "
              "smmf.step_in_backward; print('smmf.backward' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

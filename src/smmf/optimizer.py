@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from .sharding import (bits_for_checkpoint, bits_from_checkpoint, has_rows_layou
                        shard_info)
 from .state import (
     BIT_FIELDS,
+    LAYOUT_OPTIONS,
     MOMENTUM_CODE_DEFAULTS,
     STEP,
     MomentumCode,
@@ -338,7 +340,7 @@ class SMMF(Optimizer):
         defaults: dict[str, Any] = {option.name: given.get(option.name, option.default) for option in registry.OPTIONS}
         validate_group(defaults)
         self._places: Optional[tuple[tuple, dict[int, tuple[int, dict[str, Any]]]]] = None  # see _places_now
-        self._checked: dict[int, tuple] = {}  # see _check_options
+        self._checked: dict[int, tuple[tuple, tuple]] = {}  # see _check_options
         self._nonfinite = NonfiniteMonitor()
         self._warned_fp16_rounding = False
         self._step_in_backward: Optional[StepInBackward] = None
@@ -394,7 +396,7 @@ class SMMF(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.state and self._step_in_backward is None:
+        if not self.state and self._step_in_backward is None and "deepspeed" in sys.modules:
             from .zero import stepping_to_make_state
 
             if stepping_to_make_state():
@@ -423,21 +425,27 @@ class SMMF(Optimizer):
         """Which path steps each param of each group, and why: the backend and kernel (:mod:`smmf.dispatch`), the
         launch the kernel makes of it (a fused backend's shared launches, by size, dtype, layout and code of M),
         for users asking where a step's time goes. A param without state is described as its first step would
-        take it; nothing is stepped or stored. DeepSpeed ZeRO buffers are named as such."""
+        take it; nothing is stepped or stored, and no collective is made. DeepSpeed ZeRO buffers are named as
+        such (ZeRO-3 puts its buffers in the groups only while it steps them)."""
         found = []
+        given = self._given.live()
         for g, group in enumerate(self.param_groups):
             for i, param in enumerate(group["params"]):
                 where = (g, i, tuple(param.shape), param.dtype, param.device)
-                if self._partition_of(param) is not None:
-                    found.append(Route(*where, code="per piece", kernel="DeepSpeed ZeRO partition",
-                                       launch="pieces", why="a flat buffer DeepSpeed put in this group: each piece "
-                                       "of a tensor is stepped as that tensor (whole) or by the shard passes (cut)"))
-                    continue
+                if not self._given.holds(param) and "deepspeed" in sys.modules:
+                    from .zero import is_deepspeed_buffer
+
+                    if is_deepspeed_buffer(param, given):
+                        found.append(Route(*where, code="per piece", kernel="DeepSpeed ZeRO partition",
+                                           launch="pieces", why="a flat buffer DeepSpeed put in this group: each "
+                                           "piece of a tensor is stepped as that tensor (whole) or by the shard "
+                                           "passes (cut)"))
+                        continue
                 code = momentum_code(param, group)
                 kernel, why = explain(group["backend"], param, code)
-                state = self.state.get(param) or init_state(param, group)
                 launch, how = kernel.name, "one tensor at a time"
                 if kernel.backend is not None and not is_dtensor(param):
+                    state = self.state.get(param) or init_state(param, group)
                     cfg = self._step_config(group, state.get(STEP, 0) + 1, code)
                     launch, how = kernel.backend.launch_of(param, state, cfg)
                 elif kernel.backend is not None:
@@ -450,14 +458,17 @@ class SMMF(Optimizer):
         write ``param_groups``): the constructor's checks, and messages, and the state of the group's DeepSpeed
         ZeRO buffers against its layout options. A tensor ``lr`` is checked at every step, since it may change in
         place."""
-        if isinstance(group.get("lr"), Tensor) or self._checked.get(id(group)) != _options_key(group):
+        key = self._checked.get(id(group))
+        if isinstance(group.get("lr"), Tensor) or key is None or key[0] != _options_key(group):
             validate_group(group)  # raises before the key is kept: a refused value is checked again next step
-            self._check_buffer_layouts(group)
+            layout = tuple(group[name] is None if name == "beta" else group[name] for name in LAYOUT_OPTIONS)
+            if key is None or key[1] != layout:  # a scheduler's new lr does not check the buffers again
+                self._check_buffer_layouts(group)
             self._warn_fp16_rounding(group)
-            if len(self._checked) > 2 * len(self.param_groups):  # forget groups that are gone
-                live = {id(g) for g in self.param_groups}
-                self._checked = {key: value for key, value in self._checked.items() if key in live}
-            self._checked[id(group)] = _options_key(group)
+            if len(self._checked) > 2 * len(self._full_groups()):  # forget groups that are gone
+                live = {id(g) for g in self._full_groups()}
+                self._checked = {ident: value for ident, value in self._checked.items() if ident in live}
+            self._checked[id(group)] = (_options_key(group), layout)
 
     def _warn_fp16_rounding(self, group: dict[str, Any]) -> None:
         """``stochastic_rounding`` rounds bf16 weights only: say so, once per optimizer, for a group that asks for
@@ -475,9 +486,10 @@ class SMMF(Optimizer):
         steps one group a call); a list of other groups put in their place becomes the groups."""
         groups, full = self.param_groups, self._all_groups
         if groups is not full:
-            if len(groups) < len(full) and all(any(g is f for f in full) for g in groups):
+            if len(groups) < len(full) and all(any(g is f for f in full) for g in groups) and any(
+                    not self._given.holds(p) for g in groups for p in g["params"]):  # ZeRO's buffers, not params
                 return full
-            self._all_groups = groups
+            self._all_groups = groups  # a user's or framework's own list (params it was given)
         return groups
 
     def _check_engine_groups(self) -> None:
@@ -821,24 +833,23 @@ class SMMF(Optimizer):
         """Raise ``ValueError`` unless ``state_dict`` fits this optimizer; map saved ids to params."""
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError("an optimizer state dict has 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if isinstance(saved_state, dict) and any(_is_pieces_state(saved) for saved in saved_state.values()) and \
+                not any(self._partition_of(param) for group in self.param_groups for param in group["params"]):
+            raise ValueError(
+                f"the loaded state dict holds the SMMF state of DeepSpeed ZeRO partitions (one rank's pieces of the "
+                f"model's tensors under a flat buffer per group, '{PIECES}' by tensor), and this optimizer steps "
+                "the model's own parameters. Load it where it was saved: engine.load_checkpoint under DeepSpeed, "
+                "with the same ZeRO stage and number of ranks"
+            )
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"loaded state dict has {len(saved_groups)} parameter groups, "
                 f"the optimizer has {len(self.param_groups)}"
             )
-        saved_state = state_dict["state"]
         required = set(registry.names(optional=False))
         param_of: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            zero_saved = any(_is_pieces_state(saved_state.get(pid)) for pid in saved.get("params", []))
-            if zero_saved and not any(self._partition_of(param) for param in group["params"]):
-                raise ValueError(
-                    f"loaded parameter group {index} holds the SMMF state of a DeepSpeed ZeRO partition (one rank's "
-                    f"pieces of the model's tensors under one flat buffer, '{PIECES}' by tensor), and this optimizer "
-                    "steps the model's own parameters. Load it where it was saved: engine.load_checkpoint under "
-                    "DeepSpeed, with the same ZeRO stage and number of ranks"
-                )
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError(
                     f"loaded parameter group {index} has {len(saved['params'])} parameters, "

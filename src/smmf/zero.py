@@ -185,11 +185,20 @@ def check_checkpoint(engine: Any, load_dir: Union[str, os.PathLike], tag: Option
         if not latest.is_file():
             raise ValueError(f"{folder} has no 'latest' file: name the checkpoint's tag")
         tag = latest.read_text().strip()
-    files = sorted((folder / str(tag)).glob("*model_states.pt"))
+    # The engine's own file first (ZeRO's rank 0, or the one file without ZeRO): an expert's or a pipeline layer's
+    # holds no settings.
+    found = folder / str(tag)
+    files = [path for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt")
+             if (path := found / name).is_file()] or sorted(found.glob("*model_states.pt"))
     if not files:
         raise ValueError(f"{folder / str(tag)} holds no DeepSpeed checkpoint (no *model_states.pt file)")
-    saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    world, stage = getattr(engine, "dp_world_size", None), engine.zero_optimization_stage()
+    try:
+        saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # not in the zipfile format, which mmap needs
+        saved = torch.load(files[0], map_location="cpu", weights_only=False)
+    # DeepSpeed saves the sequence-data-parallel world (the data-parallel one without sequence parallelism).
+    world = getattr(engine, "seq_dp_world_size", getattr(engine, "dp_world_size", None))
+    stage = engine.zero_optimization_stage()
     saved_world = saved.get("dp_world_size")
     saved_stage = (saved.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
     if stage and saved_world is not None and world is not None and saved_world != world:
@@ -204,6 +213,10 @@ def check_checkpoint(engine: Any, load_dir: Union[str, os.PathLike], tag: Option
 def load_checkpoint(engine: Any, load_dir: Union[str, os.PathLike], tag: Optional[str] = None,
                     **kwargs: Any) -> Any:
     """``engine.load_checkpoint(load_dir, tag, **kwargs)`` once :func:`check_checkpoint` found that it fits, so
-    that a checkpoint of another world size or stage is refused before anything changes; what it returns."""
-    check_checkpoint(engine, load_dir, tag)
+    that a checkpoint of another world size or stage is refused before anything changes; what it returns. Without
+    the optimizer's state (``load_module_only=True`` or ``load_optimizer_states=False``) below ZeRO-3, whose weights
+    are whole on every rank, DeepSpeed loads at any world size: nothing is checked."""
+    module_only = kwargs.get("load_module_only") or not kwargs.get("load_optimizer_states", True)
+    if not (module_only and engine.zero_optimization_stage() < 3):
+        check_checkpoint(engine, load_dir, tag)
     return engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
