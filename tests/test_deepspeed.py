@@ -216,6 +216,7 @@ def test_deepspeeds_step_at_initialize_does_not_count_and_zero_state_is_refused_
     fp16 = [("stage0-fp16-paper", {}, dict(stage=0, fp16=True))]
     zero = [("stage2", {}, dict(stage=2)), ("stage3", {}, dict(stage=3))]
     results = _battery(tmp_path, 1, [("initial_step", cases + fp16), ("plain_load", zero)])
+    print(f"\nthe first step against a plain SMMF's, over the update: {results['initial_step']}")
     for name, result in results["initial_step"].items():
         assert result["state_at_initialize"] == 0 and result["steps"] == [1], (name, result)
         assert result["gap"] < UPDATE_TOLERANCE, (name, result)
