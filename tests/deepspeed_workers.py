@@ -92,9 +92,15 @@ def config(stage: int, world: int, accumulation: int = 1, clip: float = 0.0, bf1
             **({"fp16": {"enabled": True, "loss_scale": 1.0}} if fp16 else {}), "steps_per_print": 10**9}
 
 
+def _two_groups(model: nn.Module) -> list[dict[str, Any]]:
+    return [{"params": [*model.fc1.parameters(), *model.norm.parameters()]},
+            {"params": [*model.fc2.parameters(), *model.fc3.parameters()]}]
+
+
 def engine_for(options: dict[str, Any], world: int, settings: dict[str, Any]):
     """DeepSpeed's engine of a fresh model and SMMF; with ``settings["callable"]``, SMMF built by DeepSpeed from a
-    client callable (``optimizer=lambda params: SMMF(params, ...)``)."""
+    client callable (``optimizer=lambda params: SMMF(params, ...)``); ``"frozen"``: the first layer frozen;
+    ``"two_groups"``: SMMF's params in two groups."""
     import deepspeed
 
     from smmf import SMMF
@@ -105,8 +111,10 @@ def engine_for(options: dict[str, Any], world: int, settings: dict[str, Any]):
     model = make_model()
     if settings.pop("frozen", False):
         model.fc1.requires_grad_(False)
+    groups = _two_groups(model) if settings.pop("two_groups", False) else [p for p in model.parameters()
+                                                                             if p.requires_grad]
     build = lambda params: SMMF(params, lr=LR, weight_decay=WEIGHT_DECAY, **options)  # noqa: E731
-    client: Any = build if by_deepspeed else build([p for p in model.parameters() if p.requires_grad])
+    client: Any = build if by_deepspeed else build(groups)
     with redirect_stdout(sys.stderr):
         engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=client, config=config(world=world, **settings),
                                                      model_parameters=model.parameters() if by_deepspeed else None)
@@ -290,41 +298,23 @@ def refusals(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, A
     return results
 
 
-def _two_groups(model: nn.Module) -> list[dict[str, Any]]:
-    return [{"params": [*model.fc1.parameters(), *model.norm.parameters()]},
-            {"params": [*model.fc2.parameters(), *model.fc3.parameters()]}]
-
-
 def option_changes(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
     """Each case in two param groups, stepped once (and, with ``settings["reload"]``, saved and loaded into fresh
     objects), then group 1's option ``settings["change"]`` (key, value) set and stepped: the error (or None), whether
     every master and SMMF's state stayed as they were and the client's groups whole; then the option set back and
     stepped again: whether every piece's step count is 2."""
-    import deepspeed
-
-    from smmf import SMMF
-
     results = {}
     for name, options, settings in cases:
-        settings = dict(settings)
+        settings = dict(settings, two_groups=True)
         key, value = settings.pop("change")
         reload = settings.pop("reload", False)
-
-        def fresh():
-            model = make_model()
-            optimizer = SMMF(_two_groups(model), lr=LR, weight_decay=WEIGHT_DECAY, **options)
-            with redirect_stdout(sys.stderr):
-                engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                  config=config(world=world, **settings))
-            return engine, optimizer
-
-        engine, optimizer = fresh()
+        engine, optimizer = engine_for(options, world, settings)
         train(engine, range(1), rank, world)
         if reload:
             with redirect_stdout(sys.stderr):
                 engine.save_checkpoint(str(out / name), tag="step1")
             engine.destroy()
-            engine, optimizer = fresh()
+            engine, optimizer = engine_for(options, world, settings)
             with redirect_stdout(sys.stderr):
                 engine.load_checkpoint(str(out / name), tag="step1")
         kept = optimizer.param_groups[1][key]

@@ -415,11 +415,17 @@ class SMMF(Optimizer):
 
     def holds_deepspeed_buffers(self) -> bool:
         """Whether DeepSpeed ZeRO has put flat buffers in this optimizer's groups in place of its params."""
+        given = self._given.live()
+        return any(self._is_deepspeed_buffer(p, given) for group in self.param_groups for p in group["params"])
+
+    def _is_deepspeed_buffer(self, param: Tensor, given: list[Tensor]) -> bool:
+        """Whether ``param`` looks like a DeepSpeed ZeRO buffer (``given``: the live params given), read from what
+        DeepSpeed attaches, without mapping its pieces (no collective)."""
+        if self._given.holds(param) or "deepspeed" not in sys.modules:
+            return False
         from .zero import is_deepspeed_buffer
 
-        given = self._given.live()
-        return any(not self._given.holds(p) and is_deepspeed_buffer(p, given)
-                   for group in self.param_groups for p in group["params"])
+        return is_deepspeed_buffer(param, given)
 
     def routes(self) -> list[Route]:
         """Which path steps each param of each group, and why: the backend and kernel (:mod:`smmf.dispatch`), the
@@ -432,15 +438,11 @@ class SMMF(Optimizer):
         for g, group in enumerate(self.param_groups):
             for i, param in enumerate(group["params"]):
                 where = (g, i, tuple(param.shape), param.dtype, param.device)
-                if not self._given.holds(param) and "deepspeed" in sys.modules:
-                    from .zero import is_deepspeed_buffer
-
-                    if is_deepspeed_buffer(param, given):
-                        found.append(Route(*where, code="per piece", kernel="DeepSpeed ZeRO partition",
-                                           launch="pieces", why="a flat buffer DeepSpeed put in this group: each "
-                                           "piece of a tensor is stepped as that tensor (whole) or by the shard "
-                                           "passes (cut)"))
-                        continue
+                if self._is_deepspeed_buffer(param, given):
+                    found.append(Route(*where, code="per piece", kernel="DeepSpeed ZeRO partition", launch="pieces",
+                                       why="a flat buffer DeepSpeed put in this group: each piece of a tensor is "
+                                       "stepped as that tensor (whole) or by the shard passes (cut)"))
+                    continue
                 code = momentum_code(param, group)
                 kernel, why = explain(group["backend"], param, code)
                 launch, how = kernel.name, "one tensor at a time"
@@ -465,8 +467,9 @@ class SMMF(Optimizer):
             if key is None or key[1] != layout:  # a scheduler's new lr does not check the buffers again
                 self._check_buffer_layouts(group)
             self._warn_fp16_rounding(group)
-            if len(self._checked) > 2 * len(self._full_groups()):  # forget groups that are gone
-                live = {id(g) for g in self._full_groups()}
+            groups = self._full_groups()
+            if len(self._checked) > 2 * len(groups):  # forget groups that are gone
+                live = {id(g) for g in groups}
                 self._checked = {ident: value for ident, value in self._checked.items() if ident in live}
             self._checked[id(group)] = (_options_key(group), layout)
 
@@ -801,9 +804,10 @@ class SMMF(Optimizer):
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
         # torch's loader ran __setstate__, whose defaults filled the keys the checkpoint lacks: the
         # constructor's values win over those.
+        runtime = registry.names(from_checkpoint=False)
         for group, saved, own in zip(self.param_groups, state_dict["param_groups"], kept):
             for key, value in own.items():
-                if key not in saved or key in registry.names(from_checkpoint=False):
+                if key not in saved or key in runtime:
                     group[key] = value
         for pid, saved in state_dict["state"].items():
             param, options = param_of[pid]

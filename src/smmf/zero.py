@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -135,30 +135,27 @@ def stepping_to_make_state() -> bool:
     gradients (``initialize_optimizer_states``). Found up the call stack; False where DeepSpeed is not imported."""
     if "deepspeed" not in sys.modules:
         return False
-    frame: Optional[FrameType] = sys._getframe(1)
+    callers = _deepspeed_callers(sys._getframe(1))
+    return any(frame.f_code.co_name == "initialize_optimizer_states" for frame, _ in callers)
+
+
+def _deepspeed_callers(frame: Optional[FrameType]) -> Iterator[tuple[FrameType, Any]]:
+    """Of ``frame`` and the 15 frames above it, those of methods of DeepSpeed's runtime objects, with the object."""
     for _ in range(16):
         if frame is None:
-            break
-        if frame.f_code.co_name == "initialize_optimizer_states" and \
-                type(frame.f_locals.get("self")).__module__.startswith("deepspeed.runtime."):
-            return True
+            return
+        owner = frame.f_locals.get("self")
+        if type(owner).__module__.startswith("deepspeed.runtime."):
+            yield frame, owner
         frame = frame.f_back
-    return False
 
 
 def _calling_zero_optimizer() -> Any:
     """The DeepSpeed optimizer whose method called SMMF (its ``step``, ``load_state_dict``), found up the call
     stack; None where none is. Only its settings are read (:func:`refuse_unsupported`): stages 1 and 2 attach
     none to the params they link."""
-    frame: Optional[FrameType] = sys._getframe(1)
-    for _ in range(16):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if type(owner).__module__.startswith("deepspeed.runtime.") and hasattr(owner, "elastic_checkpoint"):
-            return owner
-        frame = frame.f_back
-    return None
+    callers = _deepspeed_callers(sys._getframe(1))
+    return next((owner for _, owner in callers if hasattr(owner, "elastic_checkpoint")), None)
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:
@@ -176,9 +173,9 @@ def _unmapped(flat: Tensor) -> RuntimeError:
 def check_checkpoint(engine: Any, load_dir: Union[str, os.PathLike], tag: Optional[str] = None) -> None:
     """Raise ``ValueError`` unless the DeepSpeed checkpoint ``load_dir``/``tag`` (``tag`` None: the one its
     ``latest`` file names) was saved at ``engine``'s number of data-parallel ranks and ZeRO stage, reading only
-    the checkpoint's first model-states file. DeepSpeed cannot re-cut ZeRO's partitions at another world size: it
-    refuses the load, or, under ZeRO-3 with frozen params, fails inside its module load with a size mismatch after
-    it has changed some of the weights."""
+    the model-states file that holds the engine's settings. DeepSpeed cannot re-cut ZeRO's partitions at another
+    world size: it refuses the load, or, under ZeRO-3 with frozen params, fails inside its module load with a size
+    mismatch after it has changed some of the weights."""
     folder = Path(load_dir)
     if tag is None:
         latest = folder / "latest"
