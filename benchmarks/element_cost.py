@@ -28,6 +28,7 @@ import torch
 
 import smmf
 from smmf import SMMF
+from smmf.options import step_config
 from smmf.kernels.numba_cpu import host
 from smmf.kernels.numba_cpu.access import pack_bytes, unpack_bytes
 from smmf.kernels.numba_cpu.cache import FASTMATH, KERNEL_OPTIONS
@@ -72,7 +73,7 @@ def own_launch_by_size(optimizer: str = "SMMF(params)") -> None:
         opt = eval(optimizer, {"SMMF": SMMF, "smmf": smmf, "params": params})
         opt.step()
         group = opt.param_groups[0]
-        cfg = opt._step_config(group, 2, momentum_code(param, group))
+        cfg = step_config(group, 2, momentum_code(param, group))
         smmf_ns = _median_ns_per_element(lambda: host.own_launch(param, param.grad, opt.state[param], cfg), numel)
         x, y = torch.randn(numel), torch.randn(numel)
         axpy = _median_ns_per_element(lambda: x.add_(y, alpha=1e-3), numel)
@@ -110,7 +111,7 @@ def pair_loop_in_l1(width: int = 1024, reps: int = 20000) -> None:
     opt = SMMF([param])
     opt.step()
     group = opt.param_groups[0]
-    sc = host.scalars(opt._step_config(group, 2, momentum_code(param, group)), param.numel(), torch.float32)
+    sc = host.scalars(step_config(group, 2, momentum_code(param, group)), param.numel(), torch.float32)
     rng = np.random.default_rng(0)
     w0, g0, w1, g1 = (rng.standard_normal(width).astype(np.float32) for _ in range(4))
     col_m, col_v = (rng.random(width).astype(np.float32) for _ in range(2))

@@ -464,7 +464,9 @@ def ddp_refusals_worker(rank: int, world: int, port: int, out: str) -> None:
     opt = optimizer(net.parameters())
     with pytest.raises(ValueError, match="find_unused_parameters=True"):
         step_in_backward(opt, module=unused_found)
-    assert opt._step_in_backward is None
+    from helpers import assert_nothing_installed
+
+    assert_nothing_installed(opt)
     model = nn.parallel.DistributedDataParallel(make_net())
     opt = optimizer(model.parameters())
     step_in_backward(opt, module=model)

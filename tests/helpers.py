@@ -246,6 +246,15 @@ def assert_unchanged(opt: SMMF, params: list[torch.Tensor], saved: tuple[list[to
             assert type(got) is type(value) and torch.equal(torch.as_tensor(got), torch.as_tensor(value)), key
 
 
+def assert_nothing_installed(opt: SMMF) -> None:
+    """No step inside backward holds ``opt``: its ``zero_grad()`` clears the gradients, as in the ordinary loop."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    opt.zero_grad()
+    assert all(param.grad is None for param in params)
+
+
 def trained_smmf(backend: str = "torch", steps: int = 3, **options) -> tuple[list[torch.nn.Parameter], SMMF]:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(12))]

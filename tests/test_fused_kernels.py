@@ -14,6 +14,7 @@ from smmf import RECOMMENDED, SMMF
 from smmf.dispatch import step_kernel
 from smmf.kernels import available_backends, check_backend
 from smmf.functional import torch_step_
+from smmf.options import step_config
 from smmf.state import MomentumCode, momentum_code
 
 pytestmark = pytest.mark.skipif(not FUSED_BACKENDS, reason="no fused backend available")
@@ -310,7 +311,7 @@ def test_large_cpu_tensors_share_one_launch_and_match_their_own_launches(monkeyp
         grad.view(-1)[:count + 1] = float("nan")  # 1, 2, 3 NaN elements; the third tensor lets them through
         state = opt.state[p]
         state["step"] += 1
-        items.append((p, grad, state, replace(opt._step_config(opt.param_groups[0], state["step"], momentum_code(
+        items.append((p, grad, state, replace(step_config(opt.param_groups[0], state["step"], momentum_code(
             p, opt.param_groups[0])), zero_nonfinite=count < 2)))
     assert host.steps_(items) == 3
     assert [bool(torch.isfinite(p).all()) for p in together[:3]] == [True, True, False]
@@ -370,7 +371,7 @@ def test_param_groups_with_their_own_options_share_the_launches() -> None:
             grad.view(-1)[:2] = float("nan")
             state = opt.state[p]
             state["step"] += 1
-            items.append((p, grad, state, opt._step_config(group, state["step"], momentum_code(p, group))))
+            items.append((p, grad, state, step_config(group, state["step"], momentum_code(p, group))))
     assert host.steps_(items) == 2 * len(shapes) * (len(options) - 1)  # the third group lets its NaNs through
     assert [bool(torch.isfinite(p).all()) for ps in together for p in ps] == [
         number != 2 for number in range(len(options)) for _ in shapes]

@@ -27,7 +27,7 @@ def test_autograd_refuses_a_graph_whose_weights_the_step_changed(backend: str, w
                                                                  bump_many: bool, monkeypatch) -> None:
     """Either way of bumping versions: one call for a launch, or one per tensor where torch's
     increment_version takes a single tensor (older torch)."""
-    from smmf import optimizer
+    from smmf import dispatch as optimizer
 
     if bump_many and not optimizer._VERSION_BUMP_TAKES_MANY:
         pytest.skip("this torch's increment_version takes one tensor")

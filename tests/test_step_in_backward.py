@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import CPU_FUSED_BACKENDS, assert_unchanged, snapshot_of
+from helpers import CPU_FUSED_BACKENDS, assert_nothing_installed, assert_unchanged, snapshot_of
 from smmf import SMMF, step_in_backward
 
 BACKENDS = ["torch", *CPU_FUSED_BACKENDS]
@@ -252,7 +252,7 @@ def test_plain_params_need_the_module_under_a_multi_rank_process_group(monkeypat
     opt = SMMF(_cnn().parameters())
     with pytest.raises(RuntimeError, match="needs the module that reduces the gradients across ranks"):
         step_in_backward(opt)
-    assert opt._step_in_backward is None  # nothing installed: the ordinary loop still works
+    assert_nothing_installed(opt)
 
 
 def test_bad_arguments() -> None:
@@ -338,8 +338,7 @@ def test_a_layout_option_changed_mid_run_is_refused_before_anything_changes(chan
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
     opt = SMMF(m.parameters())
-    if in_backward:
-        step_in_backward(opt)
+    handle = step_in_backward(opt) if in_backward else None
     for _ in range(2):
         m(torch.randn(2, 6)).sum().backward()
         opt.step()
@@ -359,7 +358,8 @@ def test_a_layout_option_changed_mid_run_is_refused_before_anything_changes(chan
         with pytest.raises(RuntimeError, match="Call reset"):
             m(torch.randn(2, 6)).sum().backward()
         assert_unchanged(opt, list(m.parameters()), before)
-        opt._step_in_backward.reset()
+        assert handle is not None
+        handle.reset()
     opt.zero_grad()
     ref = copy.deepcopy(m)
     opt_ref = SMMF(ref.parameters())
@@ -609,7 +609,7 @@ def test_clip_grad_norm_is_validated() -> None:
     for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
         with pytest.raises(ValueError, match="clip_grad_norm should be a finite number > 0"):
             step_in_backward(opt, clip_grad_norm=bad)  # type: ignore[arg-type]
-    assert opt._step_in_backward is None
+    assert_nothing_installed(opt)
 
 
 def test_a_dropped_model_and_optimizer_are_freed() -> None:

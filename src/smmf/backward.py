@@ -36,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from .backward_ranks import ModuleSync, is_ddp, is_fsdp2, managed_elsewhere
-from .optimizer import _IN_BACKWARD_UNDER_DEEPSPEED, SMMF
+from .engine import Engine
+from .optimizer import SMMF
 from .sharding import is_dtensor, local, shard_info
 from .state import LAYOUT_OPTIONS, check_state_fits, init_state
 
@@ -141,9 +142,12 @@ class _Hook:
                           "now accumulates as in the ordinary loop", RuntimeWarning, stacklevel=2)
 
 
-class StepInBackward:
+class StepInBackward(Engine):
     """The hooks :func:`step_in_backward` registered: :meth:`remove` restores the ordinary loop,
-    :meth:`reset` discards a window a failed backward left open."""
+    :meth:`reset` discards a window a failed backward left open. The optimizer's engine (:mod:`smmf.engine`) while
+    installed: its ``step()`` only runs the closure and its ``zero_grad()`` does nothing."""
+
+    steps_itself = True
 
     def __init__(self, optimizer: SMMF, accumulation_steps: int, module: Optional[nn.Module] = None,
                  clip_grad_norm: Optional[float] = None) -> None:
@@ -171,7 +175,7 @@ class StepInBackward:
 
     @property
     def active(self) -> bool:
-        return self.optimizer._step_in_backward is self
+        return self.optimizer._engine is self
 
     def attach(self, params: list[Tensor]) -> None:
         """Hook ``params`` (the optimizer's :meth:`~SMMF.add_param_group` calls this), or refuse them
@@ -216,6 +220,13 @@ class StepInBackward:
         would otherwise lack theirs."""
         self.optimizer.state.update(self._missing_state())
 
+    before_state_dict = make_missing_state
+
+    def before_step(self) -> None:
+        """``optimizer.step()`` steps nothing: the hooks did. It refuses DeepSpeed ZeRO, which steps the optimizer
+        itself."""
+        _refuse_deepspeed_buffers(self.optimizer)
+
     def remove(self) -> None:
         """Unhook: ``step()`` and ``zero_grad()`` act again; gradients accumulated in an unfinished
         window stay in ``.grad`` for the ordinary loop to use."""
@@ -226,7 +237,7 @@ class StepInBackward:
                     delattr(param, _KEEPS_ALIVE)
             self._handles = {}
             if self.active:
-                self.optimizer._step_in_backward = None
+                self.optimizer._engine = Engine()
             if self._sync is not None:
                 self._sync.remove()
 
@@ -389,6 +400,17 @@ def clip_tensor_norm_(param: Tensor, grad: Tensor, max_norm: float) -> None:
     piece.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
+def _refuse_deepspeed_buffers(optimizer: SMMF) -> None:
+    if "deepspeed" in sys.modules:
+        from .zero_engine import holds_buffers
+
+        if holds_buffers(optimizer):
+            raise RuntimeError(
+                "the step inside backward cannot run under DeepSpeed ZeRO: ZeRO steps the optimizer itself, on flat "
+                "buffers of the parameters, after its own gradient reduction. Remove step_in_backward and let the "
+                "engine step")
+
+
 def _refuse_unreduced(module: Optional[nn.Module], params: list[Tensor]) -> None:
     """Across ranks, refuse plain ``params`` whose step would see this rank's gradient alone: all of them
     without ``module``, those outside it with it (DTensors are FSDP2's, which reduce-scatters them)."""
@@ -462,14 +484,13 @@ def step_in_backward(optimizer: SMMF, accumulation_steps: int = 1, module: Optio
             "other ranks would step it and that one not, and the replicas would drift apart. Build DDP without it "
             "(DDP then reports a parameter left unused), or use the ordinary optimizer.step()."
         )
-    if optimizer.holds_deepspeed_buffers():
-        raise RuntimeError(_IN_BACKWARD_UNDER_DEEPSPEED)
+    _refuse_deepspeed_buffers(optimizer)
     _refuse_unreduced(module, [p for group in optimizer.param_groups for p in group["params"]])
-    if optimizer._step_in_backward is not None:
+    if isinstance(optimizer._engine, StepInBackward):
         raise RuntimeError(
             "step_in_backward is already installed on this optimizer; call remove() on its handle before "
             "installing it again"
         )
     handle = StepInBackward(optimizer, accumulation_steps, module, float(clip_grad_norm) if clip_grad_norm else None)
-    optimizer._step_in_backward = handle
+    optimizer._engine = handle
     return handle

@@ -18,9 +18,11 @@ from .distributed import fused_sharded_steps_, sharded_step_
 from .functional import Nonfinite, StepConfig, torch_step_
 from .kernels import FUSED, StepItem, fused_backend, load_backend
 from .sharding import is_dtensor, shard_info
-from .state import MomentumCode
+from .options import step_config
+from .state import STEP, MomentumCode, init_state, momentum_code
 
-__all__ = ["Kernel", "Route", "explain", "shard_backend", "step_kernel"]
+__all__ = ["Kernel", "Route", "RouteWhere", "bump_versions", "explain", "mark_written", "route", "shard_backend",
+           "step_kernel"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class Kernel:
     batched: bool
     raw_writes: bool
     backend: Optional[Any] = None  # the fused backend (smmf.kernels.Backend) behind it, if any
+
+
+# A route's first fields: the group's index, the param's index in it, its shape, dtype and device.
+RouteWhere = tuple[int, int, tuple[int, ...], torch.dtype, torch.device]
 
 
 @dataclass(frozen=True)
@@ -152,3 +158,45 @@ def shard_backend(backend: str, piece: Tensor, code: MomentumCode) -> Optional[A
         raise RuntimeError(f"backend {backend!r} cannot update a piece of a {piece.dtype} parameter on "
                            f"{piece.device} (momentum code {code.value}); use backend='auto' or 'torch'")
     return fused
+
+
+def route(where: RouteWhere, group: dict[str, Any], param: Tensor, state: Optional[dict[str, Any]]) -> Route:
+    """How ``param`` of ``group`` is stepped (``state``: its state, None before its first step, which this
+    describes): :class:`Route` from ``where``, its first fields."""
+    code = momentum_code(param, group)
+    kernel, why = explain(group["backend"], param, code)
+    launch, how = kernel.name, "one tensor at a time"
+    if kernel.backend is not None and not is_dtensor(param):
+        state = state or init_state(param, group)
+        launch, how = kernel.backend.launch_of(param, state, step_config(group, state.get(STEP, 0) + 1, code))
+    elif kernel.backend is not None:
+        how = "this rank's shard, one all-reduce of the sums for every shard of the step"
+    return Route(*where, code=code.value, kernel=kernel.name, launch=launch, why=f"{why}; {how}")
+
+
+def mark_written(kernel: Kernel, written: list[tuple[Tensor, dict[str, Any]]]) -> None:
+    """Bump the autograd version of what a fused kernel wrote through raw pointers (each param and
+    its state), as an in-place torch op would (the torch path's own in-place ops do it); one call
+    for them all, as this runs for every param at every step."""
+    if kernel.raw_writes:
+        bump_versions([t for param, state in written for t in (param, *state.values()) if isinstance(t, Tensor)])
+
+
+def bump_versions(tensors: list[Tensor]) -> None:
+    if _VERSION_BUMP_TAKES_MANY:
+        torch.autograd.graph.increment_version(tensors)
+    else:
+        for tensor in tensors:
+            torch.autograd.graph.increment_version(tensor)
+
+
+def _version_bump_takes_many() -> bool:
+    """Whether this torch's ``increment_version`` takes a list (newer than the oldest torch supported)."""
+    try:
+        torch.autograd.graph.increment_version([torch.zeros(1)])
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+_VERSION_BUMP_TAKES_MANY = _version_bump_takes_many()

@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor
 
+from .functional import StepConfig
 from .kernels import check_backend
-from .state import MAGNITUDE_BITS, MOMENTUM_CODE_DEFAULTS, MOMENTUM_SHAPES
+from .levels import rounding_key, step_salt
+from .schedules import beta1_at, beta2_at
+from .state import MAGNITUDE_BITS, MOMENTUM_CODE_DEFAULTS, MOMENTUM_SHAPES, MomentumCode
 
-__all__ = ["OPTIONS", "Option", "fill_optional", "names", "validate_group"]
+__all__ = ["OPTIONS", "Option", "StepConfigs", "fill_optional", "names", "step_config", "validate_group",
+           "warn_fp16_rounding"]
 
 WEIGHT_DECAY_MODES = ("adamw", "adam")
 NONFINITE_GRADS = ("zero", "propagate")
@@ -126,3 +132,53 @@ def fill_optional(group: dict[str, Any]) -> None:
     for option in OPTIONS:
         if option.optional:
             group.setdefault(option.name, option.default)
+
+
+def step_config(group: dict[str, Any], step: int, code: MomentumCode) -> StepConfig:
+    """What the kernels see of ``group``'s options at ``step`` for a param of ``code`` (without a param's own
+    dither salt and rounding key: :class:`StepConfigs`)."""
+    beta = group["beta"]
+    return StepConfig(
+        lr=float(group["lr"]),
+        beta1=None if beta is None else beta1_at(beta, group["growth_rate"], step),
+        beta2=beta2_at(group["decay_rate"], step),
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        decoupled_weight_decay=group["weight_decay_mode"] == "adamw",
+        maximize=group["maximize"],
+        stochastic_rounding=group["stochastic_rounding"],
+        code=code,
+        zero_nonfinite=group["nonfinite_grads"] == "zero",
+        levels_salt=step_salt(step) if code is MomentumCode.LEVELS and group["momentum_rounding"] == "stochastic"
+        else None,
+    )
+
+
+class StepConfigs:
+    """The configs of one step, each group's made once per step count and code."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, int, MomentumCode], StepConfig] = {}
+
+    def of(self, group: dict[str, Any], step: int, code: MomentumCode, ordinal: int, dtype: torch.dtype) -> StepConfig:
+        """The config of the ``ordinal``-th param (of ``dtype``) at ``step``: its group's, with the param's own
+        dither and rounding noise where it draws them."""
+        key = (id(group), step, code)
+        cfg = self._made.get(key) or self._made.setdefault(key, step_config(group, step, code))
+        rounded = cfg.rounds_stochastically(dtype)
+        if cfg.levels_salt is not None or rounded:  # each param draws its own dither and rounding noise
+            cfg = cfg.for_param(None if cfg.levels_salt is None else step_salt(step, ordinal),
+                                rounding_key(step, ordinal) if rounded else None)
+        return cfg
+
+
+def warn_fp16_rounding(group: dict[str, Any]) -> bool:
+    """``stochastic_rounding`` rounds bf16 weights only: say so for a group that asks for it over fp16 weights
+    (rounded to nearest); whether it was said (the optimizer says it once)."""
+    if not (group["stochastic_rounding"] and any(p.dtype == torch.float16 for p in group["params"])):
+        return False
+    warnings.warn("SMMF's stochastic_rounding=True rounds bf16 weights only: this group's fp16 weights are "
+                  "rounded to nearest. For low-precision weights stepped without an fp32 copy, use bf16 "
+                  "(smmf.RECOMMENDED_BF16); for fp16, keep fp32 master weights (torch.autocast and "
+                  "GradScaler, or DeepSpeed's fp16)", UserWarning, stacklevel=3)
+    return True
