@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -66,7 +66,7 @@ BYTES_PER_PARAM = {"Adam": 28.0, "AdamW": 28.0, "Adafactor": 12.0, "SMMF": 12.25
                    "SMMF levels stochastic": 13.0, "axpy": 12.0, "AdamW8bit": 16.0, "AdamW4bit": 14.0,
                    "AdamW_adv factored": 12.25}
 # Beyond the paper, opt-in (``--momentum-codes``): SMMF's other codes for M on the fused kernel.
-MOMENTUM_CODES = {"SMMF natural": dict(momentum_shape="natural"), "SMMF flag": dict(magnitude_bits=1),
+MOMENTUM_CODES: dict[str, dict[str, Any]] = {"SMMF natural": dict(momentum_shape="natural"), "SMMF flag": dict(magnitude_bits=1),
                   "SMMF natural+flag": dict(momentum_shape="natural", magnitude_bits=1),
                   "SMMF levels": dict(magnitude_bits=3),
                   "SMMF levels stochastic": dict(magnitude_bits=3, momentum_rounding="stochastic")}  # smmf.RECOMMENDED's code
@@ -95,6 +95,7 @@ def optim_map(device: str, momentum_codes: bool = False, peers: bool = False, qu
     """The candidates on ``device``, strongest baseline first; with ``momentum_codes``, SMMF's opt-in
     codes for M on the fused kernel too; with ``peers``, the peers that are installed."""
     adam, fused = ("AdamW", "triton") if device == "cuda" else ("Adam", "numba")
+    smmf_on: Any = partial(SMMF, backend=cast(Any, fused))
     adam_cls = getattr(torch.optim, adam)
     table: dict[str, OptimFactory] = {
         f"{adam}(fused)": partial(adam_cls, fused=True),
@@ -103,10 +104,10 @@ def optim_map(device: str, momentum_codes: bool = False, peers: bool = False, qu
         "SMMF(torch)": partial(SMMF, backend="torch"),
     }
     if fused in available_backends():
-        table[f"SMMF({fused})"] = partial(SMMF, backend=fused)
+        table[f"SMMF({fused})"] = smmf_on
         if momentum_codes:
             for name, options in MOMENTUM_CODES.items():
-                table[f"{name}({fused})"] = partial(SMMF, backend=fused, **options)
+                table[f"{name}({fused})"] = partial(smmf_on, **options)
     if peers:
         table |= peer_factories(quiet)
     return table
@@ -337,31 +338,35 @@ def _training(args: argparse.Namespace) -> int:
             fail(PROG, "--plot is for --training on CPU")
         writable_dir(PROG, "--plot", os.path.dirname(os.path.abspath(args.plot)))
     if args.device == "cuda":
-        from . import training_cuda as study
+        from . import training_cuda as on_cuda
 
         device = torch.device("cuda")
-        found = study.run(device)
+        found = on_cuda.run(device)
         free = torch.cuda.mem_get_info(device)[0]
-        largest = [study.largest_fitting(c, free, device, study.CARD_WIDTH, study.CARD_HEADS) if b == "card"
-                   else study.largest_fitting(c, int(float(b) * 2**30), device)
-                   for b in budgets for c in study.LARGEST]
+        largest = [on_cuda.largest_fitting(c, free, device, on_cuda.CARD_WIDTH, on_cuda.CARD_HEADS) if b == "card"
+                   else on_cuda.largest_fitting(c, int(float(b) * 2**30), device)
+                   for b in budgets for c in on_cuda.LARGEST]
+        format_results = on_cuda.format_results
     else:
-        from . import training_memory as study  # type: ignore[no-redef]
+        from . import training_memory as on_cpu
 
-        found = study.run(list(study.MODELS), list(study.CONFIGS), args.device)
-        largest = [study.largest_fitting(c, int(float(b) * 2**30), args.device)
+        found = on_cpu.run(list(on_cpu.MODELS), list(on_cpu.CONFIGS), args.device)
+        largest = [on_cpu.largest_fitting(c, int(float(b) * 2**30), args.device)
                    for b in budgets for c in ("Adam(foreach=False)", "SMMF + step in backward, bf16 weights (SR)")]
+        format_results = on_cpu.format_results
     if args.json:
         print(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                           "machine": describe(args.device), "runs": found, "largest": largest}, indent=2))
     else:
-        print(study.format_results(found, args.format))
+        print(format_results(found, args.format))
         print(f"measured on {describe(args.device)}")
         for entry in largest:
             print(f"largest within {entry['budget'] / 2**30:.1f} GiB, {entry['config']}: {entry['layers']} layers, "
                   f"{entry['params'] / 1e6:.0f}M params, peak {(entry['peak'] or 0) / 2**30:.2f} GiB")
-    if args.plot:
-        study.plot(found, args.plot)
+    if args.plot:  # refused above for CUDA
+        from .training_memory import plot
+
+        plot(found, args.plot)
     return 0
 
 

@@ -39,7 +39,7 @@ from .procfs import reset_peak_rss, set_mmap_threshold, status_kib
 from .progress import progress
 from .storage import optimizer_state_bytes
 from ..table import format_table
-from .tasks import DEFAULT_TASKS, PRETRAIN_STEPS, TASKS, Task, cache_root, make_task
+from .tasks import DEFAULT_TASKS, PRETRAIN_STEPS, TASKS, Batch, Task, cache_root, make_task
 
 
 DEFAULT_JOBS = 1
@@ -202,11 +202,12 @@ def _model(task: Task, seed: int, device: torch.device, weights: str) -> torch.n
     return model.to(torch.bfloat16) if weights == "bf16" else model
 
 
-def _in_weights_dtype(batch: tuple[torch.Tensor, ...], weights: str) -> tuple[torch.Tensor, ...]:
+def _in_weights_dtype(batch: Batch, weights: str) -> Batch:
     """A batch's float inputs in bf16 for a bf16 model (token ids stay as they are)."""
     if weights != "bf16":
         return batch
-    return tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in batch)
+    inputs, targets = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in batch)
+    return inputs, targets
 
 
 def _evaluated(model: torch.nn.Module, weights: str) -> torch.nn.Module:
@@ -256,7 +257,7 @@ def summary_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[An
         if key[1] == PAPER_SMMF:
             smmf_state.setdefault(key[0], runs[0]["state_bytes"])
         finals.setdefault((key[0], key[1]), (statistics.fmean(r["final_metric"] for r in runs), labels[key]))
-    rows = []
+    rows: list[list[Any]] = []
     for key, runs in groups.items():
         task, first = key[0], runs[0]
         if first.get("skipped"):

@@ -96,7 +96,7 @@ def measure_row(row: PaperRow, unit: str, device: Optional[str] = None) -> list[
     for optimizer, paper in row.paper.items():
         exact = predict_state_bytes(model, optimizer) / UNITS[unit]
         allocated = predict_state_bytes(model, optimizer, CUDA_ALLOCATOR_BLOCK) / UNITS[unit]
-        entry = dict(
+        entry: dict[str, Any] = dict(
             model=row.spec.name, variant=row.spec.variant, params=params, optimizer=optimizer, unit=unit,
             ours_allocated=allocated, ours_exact=exact, paper=paper, diff_pct=100.0 * (allocated - paper) / paper,
             same_when_printed=_printed_like(allocated, paper),
@@ -118,8 +118,9 @@ def measured_state_bytes(build: Callable[[], nn.Module], device: str) -> dict[st
     out = {}
     for name, factory in factories.items():
         model = build().to_empty(device=device)  # uninitialized; only the trainable params get values
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()  # to_empty unties shared params (e.g. GPT-2's embedding and head)
+        tie = getattr(model, "tie_weights", None)
+        if callable(tie):
+            tie()  # to_empty unties shared params (e.g. GPT-2's embedding and head)
         trainable = [p for p in model.parameters() if p.requires_grad]
         if sum(p.numel() for p in trainable) != expected:
             raise RuntimeError(f"the model built on {device} has other trainable params than its meta twin")

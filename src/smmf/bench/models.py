@@ -7,7 +7,7 @@ Adam figure (8 bytes per trainable parameter) is taken; ``variant`` says which.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -28,15 +28,15 @@ def _meta(factory: Callable[[], nn.Module]) -> nn.Module:
 def mobilenet_v2(num_labels: int) -> nn.Module:
     from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
 
-    return _meta(lambda: MobileNetV2ForImageClassification(MobileNetV2Config(num_labels=num_labels)))
+    labels: dict[str, Any] = {"num_labels": num_labels}  # a keyword of every config, which their stubs leave out
+    return _meta(lambda: MobileNetV2ForImageClassification(MobileNetV2Config(**labels)))
 
 
 def resnet50(num_labels: int) -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    config = ResNetConfig(
-        depths=[3, 4, 6, 3], hidden_sizes=[256, 512, 1024, 2048], layer_type="bottleneck", num_labels=num_labels
-    )
+    labels: dict[str, Any] = {"num_labels": num_labels}
+    config = ResNetConfig(depths=[3, 4, 6, 3], hidden_sizes=[256, 512, 1024, 2048], layer_type="bottleneck", **labels)
     return _meta(lambda: ResNetForImageClassification(config))
 
 
@@ -61,7 +61,8 @@ def transformer_wmt(big: bool) -> nn.Module:
 def bert(large: bool, qa: bool) -> nn.Module:
     from transformers import BertConfig, BertForPreTraining, BertForQuestionAnswering
 
-    size = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096) if large else {}
+    size: dict[str, Any] = (dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+                            if large else {})
     config = BertConfig(vocab_size=30522, **size)
     return _meta(lambda: (BertForQuestionAnswering if qa else BertForPreTraining)(config))
 
@@ -69,14 +70,15 @@ def bert(large: bool, qa: bool) -> nn.Module:
 def gpt2(medium: bool) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    size = dict(n_embd=1024, n_layer=24, n_head=16) if medium else {}
+    size: dict[str, Any] = dict(n_embd=1024, n_layer=24, n_head=16) if medium else {}
     return _meta(lambda: GPT2LMHeadModel(GPT2Config(vocab_size=50257, **size)))
 
 
 def t5(base: bool) -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    size = dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12) if base else dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8)
+    size: dict[str, Any] = (dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12) if base
+                            else dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8))
     return _meta(lambda: T5ForConditionalGeneration(T5Config(vocab_size=32128, **size)))
 
 

@@ -76,7 +76,7 @@ def plot_all(results: list[dict[str, Any]], out: Path) -> None:
     tasks = list(dict.fromkeys(r["task"] for r in results))
     # Past 10 rows a task's curves take tab20's colours (the default cycle repeats) and a legend beside the plot.
     most = max(sum(key[0] == task for key in groups) for task in tasks)
-    colours = plt.get_cmap("tab20").colors if most > 10 else None
+    colours = getattr(plt.get_cmap("tab20"), "colors") if most > 10 else None  # a ListedColormap's
     for kind, fname in (("loss", "loss.png"), ("metric", "metric.png")):
         fig, axes = plt.subplots(1, len(tasks), figsize=((6 if most <= 6 else 9) * len(tasks), 4), squeeze=False)
         for ax, task in zip(axes[0], tasks):
@@ -89,14 +89,14 @@ def plot_all(results: list[dict[str, Any]], out: Path) -> None:
                 label = labels[key] + (f" ({len(runs)} seeds)" if len(runs) > 1 else "")
                 if kind == "loss":
                     window = max(1, len(first["losses"]) // 50)
-                    steps = range(1, len(first["losses"]) + 1)
+                    steps = list(range(1, len(first["losses"]) + 1))
                     mean, low, high = _mean_and_band([_smooth(r["losses"], window) for r in runs])
                     ax.set_ylabel(f"training loss (moving mean of {window})")
                 else:
                     steps = [e["step"] for e in first["evals"]]
                     mean, low, high = _mean_and_band([[e[first["metric"]] for e in r["evals"]] for r in runs])
                     ax.set_ylabel(first["metric"].replace("_", " "))
-                steps = list(steps)[: len(mean)]
+                steps = steps[: len(mean)]
                 (line,) = ax.plot(steps, mean, label=label, **({} if kind == "loss" else dict(marker="o", markersize=3)))
                 if len(runs) > 1:
                     ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)

@@ -28,7 +28,7 @@ import os
 import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -295,8 +295,8 @@ def from_scratch_lm_task(name: str, model: ByteGPT, streams: Callable[[], tuple[
 # whatever the caller's setting: the thread count changes how torch's CPU kernels split their sums, so
 # one step on 1 thread and on 2 already gives other weights, and 2000 steps another checkpoint (seed 0's
 # first fine-tuning loss 1.7508 against 1.7478).
-PRETRAIN = dict(recipe=1, optimizer="AdamW", lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=1e-2,
-                schedule="warmup-cosine", seed=0, cpu_threads=2)
+PRETRAIN: dict[str, Any] = dict(recipe=1, optimizer="AdamW", lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=1e-2,
+                                 schedule="warmup-cosine", seed=0, cpu_threads=2)
 PRETRAIN_STEPS = 2000
 
 

@@ -16,11 +16,12 @@ stays in the hundreds).
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 
@@ -55,7 +56,7 @@ def _optimizer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> torc
 def train(shape: tuple[int, int, int], batch: int, seq: int, config_name: str,
           device: torch.device, warm: int = WARM_STEPS, timed: int = TIMED_STEPS) -> dict[str, Any]:
     """Train one configuration; its peak bytes (None off CUDA), tokens/s and the predicted parts."""
-    from .. import step_in_backward
+    from .. import SMMF, step_in_backward
 
     config = CONFIGS[config_name]
     cuda = device.type == "cuda"
@@ -66,7 +67,7 @@ def train(shape: tuple[int, int, int], batch: int, seq: int, config_name: str,
     model = build_gpt2(*shape, config.get("bf16", False), device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(params, config)
-    handle = step_in_backward(optimizer) if config.get("in_backward") else None
+    handle = step_in_backward(cast(SMMF, optimizer)) if config.get("in_backward") else None
     gen = torch.Generator().manual_seed(0)
     seconds = 0.0
     for i in range(warm + timed):
@@ -105,9 +106,12 @@ def runs(device: torch.device) -> Iterator[tuple[str, Callable[[], dict[str, Any
     for model, shape in MODELS.items():
         for batch, seq in BATCHES:
             for config in CONFIGS:
-                yield (f"{config} on {model} {batch}x{seq}",
-                       lambda shape=shape, batch=batch, seq=seq, config=config, model=model: dict(
-                           train(shape, batch, seq, config, device), model=model))
+                yield f"{config} on {model} {batch}x{seq}", functools.partial(_run, shape, batch, seq, config, device, model)
+
+
+def _run(shape: tuple[int, int, int], batch: int, seq: int, config: str, device: torch.device,
+         model: str) -> dict[str, Any]:
+    return dict(train(shape, batch, seq, config, device), model=model)
 
 
 def run(device: torch.device, show_progress: bool = True) -> list[dict[str, Any]]:

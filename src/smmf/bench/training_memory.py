@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -24,7 +24,6 @@ from ..memory import state_bytes
 from ..table import format_table
 from .fresh_process import report, run_child
 from .procfs import status_kib
-
 MIB = 2**20
 PINNED_MMAP_THRESHOLD = 131072
 
@@ -47,8 +46,8 @@ STEPS = 3
 
 
 def build_gpt2(n_layer: int, n_embd: int, n_head: int, bf16: bool,
-               device: torch.device = torch.device("cpu")) -> torch.nn.Module:
-    """A GPT-2-shaped model from its config (random weights, seed 0), built where it trains and in the dtype
+               device: torch.device = torch.device("cpu")) -> Any:
+    """A GPT-2-shaped ``transformers.GPT2LMHeadModel`` from its config (random weights, seed 0), built where it trains and in the dtype
     it trains in: bf16 weights are built as bf16, since an fp32 model cast (or moved) afterwards would set
     the peak while it is converted, and take minutes for a 774M model built on CPU."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -81,7 +80,7 @@ def _sgd_in_backward(params: list[torch.nn.Parameter], lr: float) -> None:
     the gradient is complete; ``optimizer.step()`` then has no gradient left to use."""
     def hook(param: torch.Tensor) -> None:
         with torch.no_grad():
-            param.add_(param.grad, alpha=-lr)
+            param.add_(cast(torch.Tensor, param.grad), alpha=-lr)
         param.grad = None
 
     for param in params:
@@ -90,7 +89,7 @@ def _sgd_in_backward(params: list[torch.nn.Parameter], lr: float) -> None:
 
 def _child(job: dict[str, Any]) -> dict[str, Any]:
     """Three steps in this (fresh) process; peak and predicted breakdown in bytes."""
-    from .. import step_in_backward
+    from .. import SMMF, step_in_backward
 
     n_layer, n_embd, n_head, batch, seq = job["shape"]
     config = CONFIGS[job["config"]]
@@ -102,7 +101,7 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
         if config["optimizer"] == "sgd":
             _sgd_in_backward(params, optimizer.param_groups[0]["lr"])
         else:
-            step_in_backward(optimizer)
+            step_in_backward(cast(SMMF, optimizer))
     gen = torch.Generator().manual_seed(0)
     for _ in range(STEPS):
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
