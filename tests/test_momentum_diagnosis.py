@@ -1,4 +1,4 @@
-"""The study optimizer of benchmarks/momentum_diagnosis.py is trustworthy: its SMMF configurations step
+"""The study optimizer of studies/momentum_diagnosis.py is trustworthy: its SMMF configurations step
 exactly as ``smmf.SMMF`` does, its all-Adam one as ``torch.optim.Adam``, and its loop as ``smmf compare``'s."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "momentum_diagnosis.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "studies" / "momentum_diagnosis.py"
 
 
 def _load() -> ModuleType:

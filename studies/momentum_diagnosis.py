@@ -20,7 +20,7 @@ starts from the decoded M̂; the step itself uses this step's uncompressed M and
 ``--check`` verifies the study tool: the SMMF configurations against ``smmf.SMMF`` and the all-Adam one
 against ``torch.optim.Adam``, step by step, in float64.
 
-    python benchmarks/momentum_diagnosis.py --tasks pydoc-lm,digits-cnn --variants smmf,dense-m --seed 0 \
+    python studies/momentum_diagnosis.py --tasks pydoc-lm,digits-cnn --variants smmf,dense-m --seed 0 \
         --out results/code-of-m/momentum-diagnosis
 
 Every run is its own JSON under ``OUT/runs`` (a run already there is skipped, so an interrupted study
@@ -770,7 +770,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device("cpu")
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/momentum_diagnosis.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python studies/momentum_diagnosis.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.report:
         write_report(out, command, args.seed)
         return 0

@@ -5,7 +5,7 @@ one process, the optimizers timed round-robin on the same parameters
 package is taken from git (``--commit``, default e49283b) into a temporary directory and imported
 under another name.
 
-    python benchmarks/flag_vs_filed.py [--runs 3] [--repeats 15] [--threads 2] [--commit e49283b]
+    python studies/flag_vs_filed.py [--runs 3] [--repeats 15] [--threads 2] [--commit e49283b]
 """
 
 from __future__ import annotations

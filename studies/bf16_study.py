@@ -1,6 +1,6 @@
 """What bf16 weights cost: the bf16 study's tables, from ``smmf compare`` runs of the bf16-weight rows.
 
-    python benchmarks/bf16_study.py results/bf16/pydoc-lm-cpu results/bf16/finetune-lm-cpu ... [--out report.md]
+    python studies/bf16_study.py results/bf16/pydoc-lm-cpu results/bf16/finetune-lm-cpu ... [--out report.md]
 
 For each task, each configuration's held-out loss (mean over seeds) at 25%, 50% and 100% of the budget, and its
 ratio to the same optimizer with fp32 weights (``smmf-recommended-bf16-sr`` against ``smmf-recommended``,

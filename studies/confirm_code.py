@@ -9,17 +9,17 @@ corpus and file split; loss on 128 windows of the held-out files) — code inste
 
 Every optimizer gets the transformer hyperparameters of ``smmf compare`` (weight decay 1e-2, decoupled for all:
 AdamW, the candidate, its bound and the paper's code of M), its learning rate times 0.3, 1 and 3 (3e-4, 1e-3, 3e-3), and the same warmup +
-cosine schedule. Runs are the study tool's (``benchmarks/momentum_diagnosis.py``), whose ``levels3-128`` code is
+cosine schedule. Runs are the study tool's (``studies/momentum_diagnosis.py``), whose ``levels3-128`` code is
 tied to ``smmf.SMMF(magnitude_bits=3)`` by ``tests/test_momentum_diagnosis.py``.
 
-    python benchmarks/confirm_code.py --shard 0/2 &  python benchmarks/confirm_code.py --shard 1/2  # two processes
-    python benchmarks/confirm_code.py --report
+    python studies/confirm_code.py --shard 0/2 &  python studies/confirm_code.py --shard 1/2  # two processes
+    python studies/confirm_code.py --report
 
 The second confirmation, of a code chosen for high learning rates on ``stdlib-lm-small`` and ``pydoc-lm`` at
 3× the default lr (``docs/high-lr.md``), declared before its runs: ``c-headers-lm-small`` (the same model and
 budget on the interpreter's C headers), the candidate against AdamW, the bound and ``levels3-128``:
 
-    python benchmarks/confirm_code.py --task c-headers-lm-small --candidate CODE --last levels3-128-decoupled-wd \
+    python studies/confirm_code.py --task c-headers-lm-small --candidate CODE --last levels3-128-decoupled-wd \
         --out docs/high-lr-confirmation --shard 0/2   # and --shard 1/2
 
 The third, of β2's decay rate γ = −0.8 (the paper's value for Transformers) with that code, chosen on
@@ -27,7 +27,7 @@ The third, of β2's decay rate γ = −0.8 (the paper's value for Transformers) 
 AdamW (``docs/high-lr.md``), declared before its runs: ``c-headers-lm-small`` again (not used to choose γ), the
 γ = −0.8 candidate against AdamW, its own bound (a dense M with γ = −0.8) and the code with γ = −0.5:
 
-    python benchmarks/confirm_code.py --task c-headers-lm-small --candidate levels3sr-128-decoupled-wd-g08 \
+    python studies/confirm_code.py --task c-headers-lm-small --candidate levels3sr-128-decoupled-wd-g08 \
         --bound dense-m-decoupled-wd-g08 --last levels3sr-128-decoupled-wd --out results/high-lr/confirmation-g08 \
         --shard 0/2   # and --shard 1/2; AdamW's and the last row's runs are those of results/high-lr/confirmation
 
@@ -36,7 +36,7 @@ The fourth, of ``smmf.RECOMMENDED`` as a whole once β1 is held (``growth_rate=N
 the C++ headers that torch's wheel ships; no choice of a code was made on it), AdamW, the code's own bound (a dense
 M, γ = −0.8, β1 held), the code, and last the code with β1's growth (the recommendation before):
 
-    python benchmarks/confirm_code.py --task cpp-headers-lm-small \
+    python studies/confirm_code.py --task cpp-headers-lm-small \
         --candidate levels3sr-128-decoupled-wd-g08-const-beta1 --bound dense-m-decoupled-wd-g08-const-beta1 \
         --last levels3sr-128-decoupled-wd-g08 --out results/code-of-m/recommended-confirmation --shard 0/2   # and --shard 1/2
 
@@ -158,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     codes = ", ".join(sorted({str(r.get("code")) for r in runs}))
     given = " ".join(a for a in (sys.argv[1:] if argv is None else argv) if a != "--report")
     given = re.sub(r"\s*--shard[= ]\S+", "", given)
-    text = (f"Runs: `python benchmarks/confirm_code.py {given} --shard 0/2` and `--shard 1/2` (two processes, one "
+    text = (f"Runs: `python studies/confirm_code.py {given} --shard 0/2` and `--shard 1/2` (two processes, one "
             f"torch thread each; a run already in OUT/runs is skipped), then `--report`  \nCode of the runs: {codes}; "
             f"tables written at {code_version()}\n\n" + report(runs, names))
     (out / "results.md").write_text(text)

@@ -2,7 +2,7 @@
 scale (with the dither, and rounded to nearest), packing them into nibbles and unpacking them into signed levels.
 The blocks are ``smmf.levels.BLOCK`` elements, walked as the kernel walks them (``kernels/numba_cpu/levels.py``).
 
-    python benchmarks/levels_parts.py
+    python studies/levels_parts.py
 
 Run on a quiet machine; name the CPU with the figures.
 """
