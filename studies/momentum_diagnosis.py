@@ -44,8 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from smmf import SMMF
-from smmf.bench.compare import warmup_cosine
-from smmf.bench.optimizers import optimizer_specs
+from smmf.bench.optimizers import optimizer_specs, warmup_cosine
 from smmf.bench.tasks import (ByteGPT, Task, digits_split, from_scratch_lm_task, make_task, split_files, stdlib_bytes,
                               stdlib_lm_small_task)
 from smmf.matrix import square_matricize_shape

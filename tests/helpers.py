@@ -205,7 +205,7 @@ def pieces_match_whole(shard_step, device: str, dtype: torch.dtype, tol: float, 
                 cfg = StepConfig(lr=1e-2, beta1=None if beta is None else 0.9 * 0.999 ** (step - 1), beta2=0.9,
                                  eps=1e-8, weight_decay=0.1, decoupled_weight_decay=step != 2, maximize=step == 3,
                                  stochastic_rounding=False,
-                                 code=MomentumCode.NONE if beta is None else MomentumCode.SIGN)
+                                 code=MomentumCode.NO_M if beta is None else MomentumCode.SIGN)
                 g = torch.randn(shape, generator=gen).to(device, dtype)
                 whole, whole_state = p.clone(), copied_state(state)
                 torch_step_(whole, g, whole_state, cfg)

@@ -157,7 +157,7 @@ _BACKENDS = ["torch"] + (["numba"] if _NUMBA else [])
 @pytest.mark.parametrize("shape", [(40, 24), (300, 300)], ids=["serial", "parallel"])
 def test_stochastic_rounding_is_decided_by_the_step_not_torch_seed(backend: str, code: dict,
                                                                    shape: tuple[int, int]) -> None:
-    """The noise is a hash of the step, the param's place and the element's index (``smmf.levels.rounding_key``):
+    """The noise is a hash of the step, the param's place and the element's index (``smmf.noise.rounding_key``):
     runs under other seeds, whose generators draw otherwise between steps, round bit for bit alike (DDP replicas
     seeded per rank stay equal; a resume is exact without torch's RNG state), and the step leaves torch's
     generator as it was."""
@@ -177,7 +177,7 @@ def test_numba_rounds_bf16_with_the_torch_paths_noise(code: dict) -> None:
     """Updates every path computes exactly (−2⁻⁹, half a bf16 ulp below 1: with β1 = 0 and γ = 0, M = G = 1 and
     V = G² = 1 at every step), rounded by both paths: the same bits, each param by its own key at each step (the
     two params, and the two steps, round apart), as ``write_back_`` rounds them with ``rounding_key(step, ordinal)``."""
-    from smmf.levels import rounding_key
+    from smmf.noise import rounding_key
 
     runs: dict[str, list[list[torch.Tensor]]] = {}
     for backend in ("torch", "numba"):
@@ -209,7 +209,7 @@ def test_torch_path_rounding_adds_the_hash_of_the_index_and_keeps_nan() -> None:
     of the index); NaN stays NaN. Without a key, nearest even. A bf16 step rounded stochastically without a key
     is refused."""
     from smmf.functional import StepConfig, torch_step_
-    from smmf.levels import _mix32
+    from smmf.noise import mix32
     from smmf.state import MomentumCode, init_state
 
     big = torch.finfo(torch.float32).max
@@ -220,7 +220,7 @@ def test_torch_path_rounding_adds_the_hash_of_the_index_and_keeps_nan() -> None:
     write_back_(out, values, rounding_key=key, first=first)
     index = (torch.arange(values.numel(), dtype=torch.int64) + first + key) & 0xFFFFFFFF
     bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    expected = (((bits + (_mix32(index) >> 16)) >> 16) & 0xFFFF).to(torch.int32)
+    expected = (((bits + (mix32(index) >> 16)) >> 16) & 0xFFFF).to(torch.int32)
     finite = ~values.isnan()
     assert torch.equal((out.view(torch.int16).to(torch.int32) & 0xFFFF)[finite], expected[finite])
     assert out[~finite].isnan().all()

@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "smmf"
 
 # Lowest first. A module imports (anywhere in its body) only from its own layer or lower ones.
 LAYERS = [
-    {"matrix", "levels", "schedules", "table", "schema"},
+    {"matrix", "noise", "levels", "schedules", "table", "schema"},
     {"sharding"},
     {"state"},
     {"functional"},
@@ -69,6 +69,27 @@ def test_imports_only_run_down_the_layers() -> None:
     upward = [(_module_name(path), target) for path in SRC.rglob("*.py") for target in _imports(path)
               if _rank(target) > _rank(_module_name(path))]
     assert not upward, f"imports from a higher layer: {upward}"
+
+
+def test_no_import_circle() -> None:
+    """No module imports, even for type checking, one that imports it back through any chain: each reads on its
+    own, bottom-up."""
+    modules = {_module_name(path): path for path in SRC.rglob("*.py")}
+
+    def known(target: str) -> str:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target
+
+    graph = {name: {known(t) for t in _imports(path)} - {"", name} for name, path in modules.items()}
+    for start in graph:  # a depth-first walk from each module: coming back to it is a circle
+        stack, seen = list(graph[start]), set()
+        while stack:
+            name = stack.pop()
+            assert name != start, f"{start} imports itself back through its imports"
+            if name not in seen:
+                seen.add(name)
+                stack.extend(graph[name])
 
 
 def test_the_sharded_step_does_not_pick_kernels() -> None:

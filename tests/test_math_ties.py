@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smmf.functional import flag_levels
+from smmf.functional import flag_gains
 
 
 
@@ -37,12 +37,12 @@ def test_numba_bf16_rounding_is_torchs() -> None:
 def test_numba_bf16_stochastic_rounding_adds_the_hash_of_its_index() -> None:
     numba = pytest.importorskip("numba")
     """Under stochastic rounding element j of a row written from ``noise_base`` adds the top 16 bits of
-    :func:`smmf.levels._mix32` (``noise_base + j``) below the bits bf16 keeps (mod 2³², as the kernel's 32-bit
+    :func:`smmf.noise.mix32` (``noise_base + j``) below the bits bf16 keeps (mod 2³², as the kernel's 32-bit
     lanes), then truncates; NaN stays NaN."""
     import numpy as np
 
     from smmf.kernels.numba_cpu.access import store
-    from smmf.levels import _mix32
+    from smmf.noise import mix32
 
     @numba.njit
     def store_all(dst, row, base):
@@ -54,7 +54,7 @@ def test_numba_bf16_stochastic_rounding_adds_the_hash_of_its_index() -> None:
     store_all(out.view(torch.int16).numpy(), values.numpy().astype(np.float32), base)
     index = (torch.arange(values.numel(), dtype=torch.int64) + base) & 0xFFFFFFFF
     bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    expected = (((bits + (_mix32(index) >> 16)) >> 16) & 0xFFFF).to(torch.int32)
+    expected = (((bits + (mix32(index) >> 16)) >> 16) & 0xFFFF).to(torch.int32)
     got = out.view(torch.int16).to(torch.int32) & 0xFFFF
     finite = ~values.isnan()
     assert torch.equal(got[finite], expected[finite])
@@ -63,13 +63,13 @@ def test_numba_bf16_stochastic_rounding_adds_the_hash_of_its_index() -> None:
 
 def test_numba_flag_levels_are_flag_levels() -> None:
     numba = pytest.importorskip("numba")
-    """The levels the numba kernel makes from its level sums are :func:`smmf.functional.flag_levels`'s,
+    """The levels the numba kernel makes from its level sums are :func:`smmf.functional.flag_gains`'s,
     including an empty set (energy 0) and NaN/inf sums."""
-    from smmf.kernels.numba_cpu.elements import flag_level
+    from smmf.kernels.numba_cpu.elements import flag_gain
 
     @numba.njit
     def levels(sums):
-        return flag_level(sums[0], sums[1]), flag_level(sums[2], sums[3])
+        return flag_gain(sums[0], sums[1]), flag_gain(sums[2], sums[3])
 
     gen = torch.Generator().manual_seed(0)
     cases = [torch.rand(4, generator=gen, dtype=torch.float64) for _ in range(50)]
@@ -79,7 +79,7 @@ def test_numba_flag_levels_are_flag_levels() -> None:
     for dtype in (torch.float32, torch.float64):
         for sums in cases:
             got = torch.tensor(levels(sums.to(dtype).numpy()), dtype=dtype)
-            torch.testing.assert_close(got, flag_levels(sums.to(dtype)), rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(got, flag_gains(sums.to(dtype)), rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_cheap_layout_keys_are_state_layouts() -> None:

@@ -268,7 +268,7 @@ def test_levels_state_loaded_from_strided_tensors_is_contiguous() -> None:
 def test_dither_is_the_reference_hash() -> None:
     """The torch path's dither equals the test reference's plain-integer hash, across the 2³² wrap."""
     from reference import reference_dither
-    from smmf.levels import dither, step_salt
+    from smmf.noise import dither, step_salt
 
     for step in (1, 2, 977, 2**32 + 5):
         for first in (0, 1000, 2**32 - 3):
@@ -284,7 +284,8 @@ def test_dither_is_the_reference_hash() -> None:
 def test_stochastic_levels_are_unbiased_where_nearest_ones_drop_small_momentum() -> None:
     """Averaged over steps, stochastically rounded levels decode to M itself; nearest levels set every
     element below half a level (here most of a block with one large element) to 0 at every step."""
-    from smmf.levels import decode_levels, encode_levels, step_salt
+    from smmf.levels import decode_levels, encode_levels
+    from smmf.noise import step_salt
 
     gen = torch.Generator().manual_seed(0)
     m = torch.randn(2, 256, generator=gen, dtype=torch.float64) * 0.05

@@ -24,7 +24,7 @@ from helpers import copied_state, copy_state_, updates_close
 from smmf.functional import StepConfig, decompress_momentum, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
 from smmf.kernels.triton_gpu.tiles import bf16_rounded
-from smmf.levels import _mix32, rounding_key, step_salt
+from smmf.noise import mix32, rounding_key, step_salt
 from smmf.matrix import unpack_signs
 from smmf.schedules import beta1_at, beta2_at
 from smmf.state import MomentumCode, init_state, momentum_code, real_view
@@ -275,7 +275,7 @@ def run_flag_shards(device: str) -> None:
     on and off a sign byte, an empty piece), their sums added up after each pass as the all-reduces
     do, equal the torch path's step of the whole matrix; M square and natural, one step with L2."""
     from helpers import piece_cuts, piece_state
-    from smmf.functional import flag_levels, store_factors_
+    from smmf.functional import flag_gains, store_factors_
     from smmf.kernels import FlagPass
     from smmf.kernels.triton_gpu import triton_flag_shard_pass_
     from smmf.matrix import pack_signs
@@ -302,8 +302,8 @@ def run_flag_shards(device: str) -> None:
                                    piece_state(state, lo, hi), lo, torch.empty_like(state["row_m"]),
                                    torch.empty_like(state["col_m"]), torch.empty(4, device=device)))
                 for flag_pass in (0, 1):
-                    for piece, grad, local, lo, new_rows, new_cols, level_sums in pieces:
-                        triton_flag_shard_pass_(piece, grad, local, cfg, lo, FlagPass(flag_pass, new_rows, new_cols, level_sums))
+                    for piece, grad, local, lo, new_rows, new_cols, gain_sums in pieces:
+                        triton_flag_shard_pass_(piece, grad, local, cfg, lo, FlagPass(flag_pass, new_rows, new_cols, gain_sums))
                     if flag_pass == 0:  # the first all-reduce: the new factors of |M|
                         new = {"r": sum(x[4] for x in pieces), "c": sum(x[5] for x in pieces)}
                         store_factors_(new, "r", "c", new["r"], new["c"])
@@ -311,7 +311,7 @@ def run_flag_shards(device: str) -> None:
                             x[4].copy_(new["r"])
                             x[5].copy_(new["c"])
                 merged = dict(state, row_m=new["r"], col_m=new["c"],
-                              levels_m=flag_levels(sum(x[6] for x in pieces)),
+                              levels_m=flag_gains(sum(x[6] for x in pieces)),
                               **{key: pack_signs(torch.cat([unpack_signs(x[2][key], x[0].numel()) for x in pieces]))
                                  for key in ("sign_m", "flag_m")})
                 store_factors_(merged, "row_v", "col_v", sum(x[2]["row_v"] for x in pieces),
@@ -431,7 +431,7 @@ def _round_all(x_ptr, out_ptr, seed, base, n, BLOCK: tl.constexpr):
 
 def run_bf16_rounding(device: str) -> None:
     """bf16 stochastic rounding in the Triton kernels adds, below the bits bf16 keeps, the top 16 bits of
-    :func:`smmf.levels._mix32` of the seed + the element's index (mod 2³²), as the numba kernel does; NaN
+    :func:`smmf.noise.mix32` of the seed + the element's index (mod 2³²), as the numba kernel does; NaN
     stays NaN. Then on the step kernel: updates of 1/78 of an ulp for 50 steps move the bf16 weights' mean
     onto the fp32 run's (unbiased), where nearest rounding would keep them at 1 (quick: 5 steps at lr 4e-3,
     each update still under half the bf16 spacing below 1)."""
@@ -441,7 +441,7 @@ def run_bf16_rounding(device: str) -> None:
     _round_all[(triton.cdiv(values.numel(), 1024),)](values, out, seed, base, values.numel(), BLOCK=1024)
     index = (torch.arange(values.numel(), dtype=torch.int64, device=device) + base + seed) & 0xFFFFFFFF
     bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    expected = ((bits + (_mix32(index) >> 16)) & 0xFFFF0000).to(torch.int32).view(torch.float32)
+    expected = ((bits + (mix32(index) >> 16)) & 0xFFFF0000).to(torch.int32).view(torch.float32)
     finite = ~values.isnan()
     assert torch.equal(out[finite], expected[finite]) and bool(out[~finite].isnan().all())
 

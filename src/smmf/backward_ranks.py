@@ -18,17 +18,33 @@ DDP or FSDP2 module that reduces the gradients.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-if TYPE_CHECKING:
-    from .backward import StepInBackward
+__all__ = ["ModuleSync", "Window", "is_ddp", "is_fsdp2"]
 
-__all__ = ["ModuleSync", "is_ddp", "is_fsdp2"]
+
+class Window(Protocol):
+    """What :class:`ModuleSync` reads and calls of the step inside backward's handle
+    (:class:`smmf.backward.StepInBackward`, which imports this module): its accumulation window and its step."""
+
+    accumulation_steps: int
+    _micro: int
+    _failed: bool
+    _lock: Any
+
+    @property
+    def active(self) -> bool: ...
+
+    def remove(self) -> None: ...
+
+    def step_now(self, params: list[Tensor], grads: Optional[list[Tensor]] = None) -> None: ...
+
+    def _backward_reached(self, grad: Any) -> None: ...
 
 
 def is_ddp(module: nn.Module) -> bool:
@@ -49,7 +65,7 @@ def is_fsdp2(module: nn.Module) -> bool:
 class ModuleSync:
     """The hooks on a DDP or FSDP2 ``module`` of one :class:`~smmf.backward.StepInBackward`."""
 
-    def __init__(self, handle: StepInBackward, module: nn.Module, params: set[Tensor]) -> None:
+    def __init__(self, handle: Window, module: nn.Module, params: set[Tensor]) -> None:
         self.handle, self.module = handle, module
         self.ddp = is_ddp(module)
         # The params DDP reduces (its buckets'), and those of them that are the optimizer's, whose step the

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from .levels import counter_hash, decode_levels, encode_levels
+from .levels import decode_levels, encode_levels
+from .noise import counter_hash
 from .matrix import factor_sum_cap, nnmf_from_sums, pack_signs, unpack_signs
 from .schema import STEP_NUMBERS
 from .state import (
@@ -27,7 +28,7 @@ from .state import (
     EXP_AVG,
     EXP_AVG_SQ,
     FLAG_M,
-    LEVELS_M,
+    FLAG_GAINS_M,
     ROW_M,
     ROW_V,
     SCALES_M,
@@ -78,13 +79,13 @@ class StepConfig:
 
     def rounding_key_for(self, dtype: torch.dtype) -> Optional[int]:
         """The key of the stochastic rounding noise of weights of ``dtype``; None where they round to nearest (all
-        but bf16). A bf16 step rounded stochastically must carry its own key (``smmf.levels.rounding_key`` of
+        but bf16). A bf16 step rounded stochastically must carry its own key (``smmf.noise.rounding_key`` of
         the step and the param's place): a fixed one would round each element alike at every step."""
         if not self.rounds_stochastically(dtype):
             return None
         if self.rounding_key is None:
             raise ValueError("stochastic_rounding of bf16 weights needs StepConfig.rounding_key: this param's key at "
-                             "this step, smmf.levels.rounding_key(step, ordinal) (StepConfig.for_param sets it)")
+                             "this step, smmf.noise.rounding_key(step, ordinal) (StepConfig.for_param sets it)")
         return self.rounding_key
 
     def numbers(self, dtype: torch.dtype) -> tuple[float, ...]:
@@ -204,7 +205,7 @@ def levels_update_(g: Tensor, state: dict[str, Any], cfg: StepConfig, first: int
     again into ``state``; returns this step's M, flat. A sign and a level per element, a scale per block
     (:mod:`smmf.levels`)."""
     codes, scales, beta1 = state[CODES_M], state[SCALES_M], cfg.beta1
-    assert beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
+    assert beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NO_M"
     if not g.numel():  # an FSDP2 shard without rows
         return g.reshape(-1)
     m = decode_levels(codes, scales, g.numel() // max(codes.shape[0], 1), g.dtype)
@@ -249,7 +250,7 @@ def decompress_momentum(state: dict[str, Any], cfg: StepConfig, row_m: Tensor,
     ``M̂ = S ⊙ r_M c_Mᵀ ⊙ (l + (h − l)·F)``. ``bits_as_matrix`` unpacks packed bits to those rows."""
     magnitude = torch.outer(row_m, state[COL_M])
     if cfg.code is MomentumCode.FLAG:
-        high, low = state[LEVELS_M].unbind()
+        high, low = state[FLAG_GAINS_M].unbind()
         magnitude.mul_(torch.where(bits_as_matrix(state[FLAG_M]), high, low))
     return torch.where(bits_as_matrix(state[SIGN_M]), magnitude, -magnitude)
 
@@ -258,7 +259,7 @@ def store_magnitude_flag_(state: dict[str, Any], magnitude: Tensor) -> None:
     """After the factors of |M| are stored: F = [|M| > r cᵀ] and the levels, from the whole matrix."""
     above, sums = magnitude_flag_fit(magnitude, torch.outer(state[ROW_M], state[COL_M]))
     state[FLAG_M].copy_(pack_signs(above))
-    state[LEVELS_M].copy_(flag_levels(sums))
+    state[FLAG_GAINS_M].copy_(flag_gains(sums))
 
 
 def magnitude_flag_fit(magnitude: Tensor, estimate: Tensor, numel: Optional[int] = None) -> tuple[Tensor, Tensor]:
@@ -275,7 +276,7 @@ def magnitude_flag_fit(magnitude: Tensor, estimate: Tensor, numel: Optional[int]
     return above, torch.stack(sums)
 
 
-def flag_levels(sums: Tensor) -> Tensor:
+def flag_gains(sums: Tensor) -> Tensor:
     """``(h, l)`` from :func:`magnitude_flag_fit`'s sums: ``h = Σ_F |M|·R / Σ_F R²``, likewise ``l``
     (0 where the set is empty or R is 0 on it)."""
     num, den = sums.view(2, 2).unbind(dim=1)
@@ -299,7 +300,7 @@ def store_factors_(state: dict[str, Any], row_key: str, col_key: str, row_sums: 
 def write_back_(dst: Tensor, src: Tensor, *, rounding_key: Optional[int], first: int = 0) -> None:
     """Write fp32 ``src`` into ``dst``; into bf16 rounded stochastically when ``rounding_key`` is given (else
     to nearest even). Element i (``first + i`` of its param) adds the top 16 bits of
-    ``mix32((rounding_key + first + i) mod 2³²)`` (:func:`smmf.levels.counter_hash`) below the 16 bits bf16
+    ``mix32((rounding_key + first + i) mod 2³²)`` (:func:`smmf.noise.counter_hash`) below the 16 bits bf16
     keeps, then truncates: it rounds up with the probability of the dropped fraction, with the noise every
     fused kernel draws. NaN stays NaN. By chunks, so that the hash's int64 temporaries stay small."""
     if rounding_key is not None and dst.dtype == torch.bfloat16 and src.dtype == torch.float32:

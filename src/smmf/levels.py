@@ -21,9 +21,8 @@ Stochastic rounding (``momentum_rounding="stochastic"``, opt-in): ``j = floor(|M
 with the probability its size gives, where nearest rounding sets it to 0 at every step — the EMA can then
 never build a small coordinate's momentum, and at a high learning rate the code trails the dense M by 4–7%
 (``docs/high-lr.md``). ``u`` is a counter-based hash of the element's index in its param and a salt
-(:func:`step_salt`: the step and the param's position in the optimizer), the same on every path and every
-rank, so a run is reproducible and resumes exactly. The same hash, keyed apart (:func:`rounding_key`), is the
-noise of every path's bf16 stochastic rounding of the weights (``stochastic_rounding=True``).
+(:func:`smmf.noise.dither`), the same on every path and every rank, so a run is reproducible and resumes
+exactly.
 
 Storage: ``codes`` uint8 (rows, ⌈cols/2⌉), two 4-bit codes per byte (the even column in the low nibble),
 a code being ``j | 8·[M < 0]``; ``scales`` bf16 (rows, ⌈cols/BLOCK⌉). Whatever M holds, the stored code
@@ -32,74 +31,22 @@ decodes finite: NaN codes as 0, and a scale is at most bf16's largest finite val
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "TOP_LEVEL", "NEGATIVE", "SEVENTH", "levels_shape", "levels_rows_cols", "codes_shape", "scales_shape", "encode_levels",
-           "decode_levels", "step_salt", "rounding_key", "counter_hash", "dither", "DITHER_MULTIPLIERS", "DITHER_BITS", "PieceBlocks", "block_span", "piece_blocks", "piece_codes_shape",
-           "piece_block_maxima", "encode_piece_levels", "decode_piece_levels"]
+from .noise import dither
+
+__all__ = ["BLOCK", "NEGATIVE", "SEVENTH", "TOP_LEVEL", "PieceBlocks", "block_span", "codes_shape", "decode_levels",
+           "decode_piece_levels", "encode_levels", "encode_piece_levels", "levels_rows_cols", "levels_shape",
+           "piece_block_maxima", "piece_blocks", "piece_codes_shape", "scales_shape"]
 
 BLOCK = 128  # elements of a row that share a scale
 TOP_LEVEL = 7  # levels j = 0 .. 7: magnitudes j/7 of the block's scale (3 bits)
 NEGATIVE = 8  # the code's sign bit: set where M < 0
 SCALE_MAX = float(torch.finfo(torch.bfloat16).max)  # the largest scale, so that decoding stays finite
 SEVENTH = 1 / TOP_LEVEL  # a level's step is scale · SEVENTH (SEVENTH rounded to the work dtype)
-
-
-# The dither's hash: a 32-bit integer finalizer (two multiply-xorshift rounds, shifts 16, 15, 16) applied
-# to (salt + element index) mod 2³²; its top 24 bits make u = k · 2⁻²⁴, exact in fp32 and fp64.
-DITHER_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
-DITHER_BITS = 24
-_MASK32 = 0xFFFFFFFF
-_ROUNDING_DOMAIN = 0x2545F491  # keys the weights' rounding noise apart from the dither (rounding_key)
-
-
-def _mix32(x: Any) -> Any:
-    """The hash of 32-bit values ``x``: a Python int, or an int64 tensor, hashed in place (a product may wrap
-    in int64; its low 32 bits, all that is kept, are still the product's)."""
-    x ^= x >> 16
-    x *= DITHER_MULTIPLIERS[0]
-    x &= _MASK32
-    x ^= x >> 15
-    x *= DITHER_MULTIPLIERS[1]
-    x &= _MASK32
-    x ^= x >> 16
-    return x
-
-
-def step_salt(step: int, ordinal: int = 0) -> int:
-    """The dither's salt at ``step`` (1, 2, …) for the optimizer's ``ordinal``-th parameter (counted over its
-    param groups): a 32-bit hash of both, so that each step and each parameter draw anew (parameters of one
-    shape would otherwise round alike at each index)."""
-    return _mix32((_mix32(step & _MASK32) + _mix32(ordinal & _MASK32)) & _MASK32)
-
-
-def rounding_key(step: int, ordinal: int = 0) -> int:
-    """The key of the bf16 stochastic rounding noise of the optimizer's ``ordinal``-th parameter at ``step``:
-    :func:`step_salt` hashed once more, so that a weight's rounding and its levels' dither draw apart. A
-    function of the step and the param's place alone, as the dither's salt: replicas round alike whatever
-    each rank's random seed (DDP), the step inside backward rounds as the loop, and a resume rounds as the
-    uninterrupted run without restoring torch's generator."""
-    return _mix32(step_salt(step, ordinal) ^ _ROUNDING_DOMAIN)
-
-
-def counter_hash(salt: int, first: int, count: int, device: torch.device) -> Tensor:
-    """``mix32((salt + index) mod 2³²)`` for the elements ``first .. first + count`` of a param's row-major
-    flattening, int64 (the hash every path computes in its own lanes)."""
-    x = torch.arange(first, first + count, dtype=torch.int64, device=device)
-    x += salt
-    x &= _MASK32
-    return _mix32(x)  # in place: one int64 temporary beside x at a time
-
-
-def dither(salt: int, first: int, count: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``u`` in [0, 1) for the elements ``first .. first + count`` of a param's row-major flattening:
-    ``mix32((salt + index) mod 2³²) >> 8``, times 2⁻²⁴."""
-    x = counter_hash(salt, first, count, device)
-    x >>= 32 - DITHER_BITS
-    return x.to(dtype).mul_(2.0 ** -DITHER_BITS)
 
 
 def levels_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:

@@ -87,7 +87,7 @@ class SMMF(Optimizer):
         maximize: maximize the objective instead of minimizing it (default: False).
         stochastic_rounding: round bf16 parameters stochastically when writing the update
             back, with noise that the step and the param's place in the optimizer decide, the same
-            on every path and rank (:func:`smmf.levels.rounding_key`): DDP replicas stay equal and
+            on every path and rank (:func:`smmf.noise.rounding_key`): DDP replicas stay equal and
             a resume is exact; torch's generator is left alone (default: False).
         nonfinite_grads: what a NaN or ±inf gradient element does. ``"zero"``: it counts as a zero
             gradient for that element alone (its moments decay, the rest of the tensor is updated
@@ -100,7 +100,7 @@ class SMMF(Optimizer):
             rest; a conv weight: out_channels × the rest; 1-D tensors stay square), which lets the
             factors hold a per-unit magnitude. V stays square either way (default: ``"square"``).
         magnitude_bits: beyond the paper, opt-in. ``0``: |M| ≈ r cᵀ; ``1``: one more bit per element
-            says whether |M| is above r cᵀ, and two per-tensor levels scale r cᵀ where it is / is not,
+            says whether |M| is above r cᵀ, and two per-tensor gains scale r cᵀ where it is / is not,
             so that small momentum coordinates are no longer given their row's average; ``3``: M is
             coded by rows of the tensor, a sign and a 3-bit level per element and a bf16 scale per
             128 elements (4.125 bits per parameter, :mod:`smmf.levels`; ``momentum_shape`` does not
@@ -290,35 +290,9 @@ class SMMF(Optimizer):
         already written keep their update."""
         if grads is not None and len(grads) != len(params):
             raise ValueError(f"step_params got {len(grads)} gradients for {len(params)} params")
-        work, engine_steps = self._checked_steps(params, grads)  # a rejected step changes no param or state
+        work, engine_steps = _checked_steps(self, params, grads)  # a rejected step changes no param or state
         self._nonfinite.poll()
         _run_steps(self, work, engine_steps)
-
-    def _checked_steps(self, params: list[tuple[dict[str, Any], Tensor]], grads: Optional[list[Tensor]]
-                       ) -> tuple[list[_ParamStep], list[EngineStep]]:
-        """Every given param's step, and every engine tensor's, checked before any of them runs."""
-        places = self._places.now(self.param_groups)
-        for group in {id(group): group for group, _ in params}.values():
-            self._check_options(group)
-        work, engine_steps = [], []
-        seen: set[int] = set()  # a param a group holds twice is stepped once
-        for (group, param), grad in zip(params, grads if grads is not None else [p.grad for _, p in params]):
-            if grad is None or id(param) in seen:
-                continue
-            seen.add(id(param))
-            check_grad(param, grad)
-            if self._engines(param):
-                engine_steps.append(self._engine.prepare(group, param, grad))
-                continue
-            ordinal = self._places.ordinal(self.param_groups, param, group, places)
-            before = self.state.get(param)
-            code = momentum_code(param, group)
-            if before:
-                check_state_fits(param, group, before, code)
-            state: dict[str, Any] = before if before else init_state(param, group)
-            work.append((group, param, ordinal, grad, before, state, code, step_kernel(group["backend"], param, code)))
-        self._engine.before_steps(engine_steps)
-        return work, engine_steps
 
     def _places_now(self) -> dict[int, tuple[int, dict[str, Any]]]:
         """Each param's position over the param groups and its group, by ``id`` (:class:`smmf.params.Places`)."""
@@ -357,7 +331,7 @@ class SMMF(Optimizer):
         # How each shard's state is placed (init_state refuses an unsupported placement: before the load).
         made = {pid: init_state(param, options) for pid, (param, options) in param_of.items() if is_dtensor(param)}
         kept = options_kept(self.param_groups)
-        self._load_with_torch({**state_dict, "state": plain})
+        _load_with_torch(self, {**state_dict, "state": plain})
         # torch's loader ran __setstate__, whose defaults filled the keys the checkpoint lacks: the
         # constructor's values win over those.
         runtime = registry.names(from_checkpoint=False)
@@ -372,18 +346,46 @@ class SMMF(Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _load_with_torch(self, state_dict: dict[str, Any]) -> None:
-        """torch's loader, without the hooks: :meth:`load_state_dict` runs them around its own restore."""
-        hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
-        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = OrderedDict(), OrderedDict()
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
-
-
 # A given param's checked step: (group, param, ordinal, grad, state before, state, code of M, kernel).
 _ParamStep = tuple[dict[str, Any], Tensor, int, Tensor, Optional[dict[str, Any]], dict[str, Any], MomentumCode, Kernel]
+
+
+def _load_with_torch(optimizer: SMMF, state_dict: dict[str, Any]) -> None:
+    """torch's loader, without the hooks: :meth:`SMMF.load_state_dict` runs them around its own restore."""
+    hooks = (optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks)
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        Optimizer.load_state_dict(optimizer, state_dict)
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks = hooks
+
+
+def _checked_steps(optimizer: SMMF, params: list[tuple[dict[str, Any], Tensor]], grads: Optional[list[Tensor]]
+                   ) -> tuple[list[_ParamStep], list[EngineStep]]:
+    """Every given param's step, and every engine tensor's, checked before any of them runs."""
+    places = optimizer._places.now(optimizer.param_groups)
+    for group in {id(group): group for group, _ in params}.values():
+        optimizer._check_options(group)
+    work, engine_steps = [], []
+    seen: set[int] = set()  # a param a group holds twice is stepped once
+    for (group, param), grad in zip(params, grads if grads is not None else [p.grad for _, p in params]):
+        if grad is None or id(param) in seen:
+            continue
+        seen.add(id(param))
+        check_grad(param, grad)
+        if optimizer._engines(param):
+            engine_steps.append(optimizer._engine.prepare(group, param, grad))
+            continue
+        ordinal = optimizer._places.ordinal(optimizer.param_groups, param, group, places)
+        before = optimizer.state.get(param)
+        code = momentum_code(param, group)
+        if before:
+            check_state_fits(param, group, before, code)
+        state: dict[str, Any] = before if before else init_state(param, group)
+        work.append((group, param, ordinal, grad, before, state, code, step_kernel(group["backend"], param, code)))
+    optimizer._engine.before_steps(engine_steps)
+    return work, engine_steps
 
 
 def _run_steps(optimizer: SMMF, work: list[_ParamStep], engine_steps: list[EngineStep]) -> None:

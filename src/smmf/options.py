@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .functional import StepConfig
 from .kernels import check_backend
-from .levels import rounding_key, step_salt
+from .noise import rounding_key, step_salt
 from .schedules import beta1_at, beta2_at
 from .state import MAGNITUDE_BITS, MOMENTUM_CODE_DEFAULTS, MOMENTUM_SHAPES, MomentumCode
 

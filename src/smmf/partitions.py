@@ -222,7 +222,7 @@ def round_sizes(tensor: CutTensor, group: Mapping[str, Any], dtype: torch.dtype,
     if code is MomentumCode.DENSE:
         return []
     rows, cols = matrix_shape(meta)
-    if code is MomentumCode.NONE:
+    if code is MomentumCode.NO_M:
         return [[rows, cols]]
     if code is MomentumCode.LEVELS:
         return [[rows, cols, 2 * world]]

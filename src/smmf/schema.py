@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 
 from .levels import codes_shape, scales_shape
 
-__all__ = ["CODES_M", "COL_M", "COL_V", "EXP_AVG", "EXP_AVG_SQ", "FLAG_M", "LEVELS_M", "ROW_M", "ROW_V", "SCALES_M",
+__all__ = ["CODES_M", "COL_M", "COL_V", "EXP_AVG", "EXP_AVG_SQ", "FLAG_M", "FLAG_GAINS_M", "ROW_M", "ROW_V", "SCALES_M",
            "SIGN_M", "STEP", "SCHEMA", "STEP_NUMBERS", "STEP_OPTIONS", "Dims", "MomentumCode", "StateField",
            "FACTORED_FIELDS", "BIT_FIELDS"]
 
@@ -32,9 +32,9 @@ class MomentumCode(enum.Enum):
     square one, or the natural one) is geometry, not code: ``row_m``/``col_m``'s lengths."""
 
     DENSE = "dense"  # Adam's elementwise V (and M when beta is set): 1-D tensors under vector_reshape=False
-    NONE = "none"  # factored V, no first moment (beta=None)
+    NO_M = "no-m"  # factored V, no first moment (beta=None)
     SIGN = "sign"  # the paper's: M's 1-bit signs and a rank-1 NNMF of |M|
-    FLAG = "flag"  # SIGN plus a 1-bit magnitude flag and two levels (magnitude_bits=1)
+    FLAG = "flag"  # SIGN plus a 1-bit magnitude flag and two gains (magnitude_bits=1)
     LEVELS = "levels"  # a sign and a 3-bit level per element, a bf16 scale per block of a row (magnitude_bits=3)
 
     # A member equals only itself: hashed by identity, in C (Enum's hashes its name in Python, and the
@@ -45,7 +45,9 @@ class MomentumCode(enum.Enum):
 # The state's keys: the names in ``optimizer.state``, checkpoints and the kernels' tables.
 ROW_M, COL_M, SIGN_M = "row_m", "col_m", "sign_m"  # the factors of |M| in M's view; M's sign bits
 ROW_V, COL_V = "row_v", "col_v"  # the factors of V in its square view
-FLAG_M, LEVELS_M = "flag_m", "levels_m"  # the magnitude flag's bits [|M| > r cᵀ]; its levels (high, low)
+# The magnitude flag's bits [|M| > r cᵀ]; its two gains (high, low) of r cᵀ, under the key its checkpoints have
+# always had.
+FLAG_M, FLAG_GAINS_M = "flag_m", "levels_m"
 CODES_M, SCALES_M = "codes_m", "scales_m"  # the levels code: 4-bit codes two per byte; a bf16 scale per block
 EXP_AVG, EXP_AVG_SQ = "exp_avg", "exp_avg_sq"  # the dense state of vectors (vector_reshape=False)
 STEP = "step"  # a plain int
@@ -88,10 +90,10 @@ _SIGN = (StateField(ROW_M, lambda d: (d.m_rows,), "factor"), StateField(COL_M, l
 SCHEMA: dict[MomentumCode, tuple[StateField, ...]] = {
     MomentumCode.DENSE: (StateField(EXP_AVG, lambda d: d.shape, "factor", own=True, first_moment=True),
                          StateField(EXP_AVG_SQ, lambda d: d.shape, "factor", own=True)),
-    MomentumCode.NONE: _V,
+    MomentumCode.NO_M: _V,
     MomentumCode.SIGN: _SIGN + _V,
     MomentumCode.FLAG: _SIGN + (StateField(FLAG_M, lambda d: (d.bit_bytes,), "uint8", own=True, bits=True),
-                                StateField(LEVELS_M, lambda d: (2,), "factor")) + _V,
+                                StateField(FLAG_GAINS_M, lambda d: (2,), "factor")) + _V,
     MomentumCode.LEVELS: (StateField(CODES_M, lambda d: codes_shape(d.levels_rows, d.levels_cols), "uint8", own=True),
                           StateField(SCALES_M, lambda d: scales_shape(d.levels_rows, d.levels_cols), "bf16", own=True))
                          + _V,
@@ -111,5 +113,5 @@ STEP_NUMBERS = ("lr", "beta1", "rest1", "beta2", "rest2", "eps", "gsign", "shrin
 # The options of a step, as the kernels take them (a code's kernels need no flag for it: each code has its own):
 # bf16 weights rounded stochastically; NaN/inf gradient elements count as 0 (and are counted; nonfinite_grads=
 # "zero"); the whole tensor (normalize the factors here, else leave a piece's raw sums); the tensor's key of its
-# bf16 rounding noise at this step (smmf.levels.rounding_key).
+# bf16 rounding noise at this step (smmf.noise.rounding_key).
 STEP_OPTIONS = ("stochastic_rounding", "zero_nonfinite", "whole", "rounding_key")

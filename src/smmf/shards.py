@@ -34,7 +34,7 @@ from .functional import (
     StepConfig,
     decompress_momentum,
     factor_sums,
-    flag_levels,
+    flag_gains,
     levels_update_,
     magnitude_flag_fit,
     prepare_grad_,
@@ -55,7 +55,7 @@ from .state import (
     COL_M,
     COL_V,
     FLAG_M,
-    LEVELS_M,
+    FLAG_GAINS_M,
     ROW_M,
     ROW_V,
     SCALES_M,
@@ -134,7 +134,7 @@ class Band:
 def band_rounds(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig,
                 band: Band) -> Generator[list[Tensor], list[Tensor], Tensor]:
     """:func:`smmf.functional._factored_update` on a band, in rounds (the module docstring): returns the owned
-    elements' direction ``M / (√V + ε)``, flat, with the factors (and the flag's levels) stored.
+    elements' direction ``M / (√V + ε)``, flat, with the factors (and the flag's gains) stored.
 
     ``band`` is in V's (square) view; M has its own band, the same elements in M's view (its rows are
     dim 0 under ``momentum_shape="natural"``). The levels code codes M by rows of the param: the band
@@ -148,7 +148,7 @@ def band_rounds(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig,
         direction = levels_update_(g_flat, state, cfg, band.start).div_(direction)
     elif cfg.beta1 is None:
         direction = band.owned(g).div(direction)
-    if cfg.code in (MomentumCode.LEVELS, MomentumCode.NONE):
+    if cfg.code in (MomentumCode.LEVELS, MomentumCode.NO_M):
         sums = yield v_sums
         store_factors_(state, ROW_V, COL_V, *sums)
         return direction
@@ -171,11 +171,11 @@ def band_rounds(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig,
     new_row_m, new_col_m = yield m_band.sums(magnitude)
     store_factors_(state, ROW_M, COL_M, new_row_m, new_col_m)
     estimate = torch.outer(state[ROW_M][m_band.row0 : m_band.row1], state[COL_M])
-    above, level_sums = magnitude_flag_fit(m_band.owned(magnitude), m_band.owned(estimate), band.rows * band.cols)
+    above, gain_sums = magnitude_flag_fit(m_band.owned(magnitude), m_band.owned(estimate), band.rows * band.cols)
     _store_bits_(state[SIGN_M], m_band.owned(m) >= 0)
     _store_bits_(state[FLAG_M], above)
-    sums = yield [level_sums] + v_sums
-    state[LEVELS_M].copy_(flag_levels(sums[0]))
+    sums = yield [gain_sums] + v_sums
+    state[FLAG_GAINS_M].copy_(flag_gains(sums[0]))
     store_factors_(state, ROW_V, COL_V, sums[1], sums[2])
     return direction
 
@@ -233,11 +233,11 @@ def fused_shard_rounds(backend: Backend, weight: Tensor, grad: Tensor, state: di
     counts.append(backend.flag_shard_pass_(work, grad, state, cfg, start, flag))
     if work is not weight:
         weight.copy_(work)
-    sums = yield [flag.level_sums] + (v_sums or [state[ROW_V], state[COL_V]])
+    sums = yield [flag.gain_sums] + (v_sums or [state[ROW_V], state[COL_V]])
     store_factors_(state, ROW_V, COL_V, sums[1], sums[2])
     state[ROW_M].copy_(flag.new_row_m)
     state[COL_M].copy_(flag.new_col_m)
-    state[LEVELS_M].copy_(flag_levels(sums[0]))
+    state[FLAG_GAINS_M].copy_(flag_gains(sums[0]))
     return add_counts(counts)
 
 

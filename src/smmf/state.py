@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .levels import codes_shape, levels_shape
 from .matrix import packed_sign_bytes, square_matricize_shape
-from .schema import (BIT_FIELDS, CODES_M, COL_M, COL_V, EXP_AVG, EXP_AVG_SQ, FLAG_M, LEVELS_M, ROW_M, ROW_V, SCALES_M,
+from .schema import (BIT_FIELDS, CODES_M, COL_M, COL_V, EXP_AVG, EXP_AVG_SQ, FLAG_M, FLAG_GAINS_M, ROW_M, ROW_V, SCALES_M,
                      SCHEMA, SIGN_M, STEP, Dims, MomentumCode)
 from .sharding import as_state, is_dtensor, local, shard_info
 
@@ -69,7 +69,7 @@ def momentum_code(param: Tensor, group: Mapping[str, Any]) -> MomentumCode:
     if is_dense(param, group):
         return MomentumCode.DENSE
     if group["beta"] is None:
-        return MomentumCode.NONE
+        return MomentumCode.NO_M
     return {1: MomentumCode.FLAG, 3: MomentumCode.LEVELS}.get(momentum_option(group, "magnitude_bits"),
                                                            MomentumCode.SIGN)
 

@@ -2,7 +2,7 @@
 
 :class:`BF16Weights` wraps an optimizer built on fp32 copies of a model's bf16 weights: each step hands it the
 bf16 gradients as fp32, steps the copies, and writes them back into the bf16 weights, rounded to nearest or
-stochastically (with SMMF's rounding noise, :func:`smmf.levels.rounding_key`). With ``master`` the copies are kept
+stochastically (with SMMF's rounding noise, :func:`smmf.noise.rounding_key`). With ``master`` the copies are kept
 between steps (an fp32 master copy, mixed precision as usually done); without, they are made from the bf16 weights
 at every step, so that only the weights' rounding differs from the optimizer's fp32 run (its moments stay fp32).
 """
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..functional import write_back_
-from ..levels import rounding_key
+from ..noise import rounding_key
 
 
 class BF16Weights(torch.optim.Optimizer):

@@ -31,7 +31,7 @@ import torch
 
 from .args import OneLineParser, comma_list, cuda_or_fail, fail, writable_dir
 from .optimizers import (DEFAULT_OPTIMIZERS, LIKE_FOR_LIKE, PAPER_SMMF, RECOMMENDED_SMMF, missing_package, optimizer_specs,
-                         parse_opt_args)
+                         parse_opt_args, warmup_cosine)
 from .plots import by_run, plot_all, run_labels, run_setting
 from .fresh_process import allow_children, die_with_parent, hold_interrupt, report, run_child, stop_children
 from .machine import describe
@@ -91,15 +91,6 @@ def signals_stop_the_study() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def warmup_cosine(steps: int, warmup: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    return factor
 
 
 class PeakMemory:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -180,3 +181,14 @@ def parse_opt_args(items: list[str]) -> dict[str, dict[str, Any]]:
                 parsed = value
             out.setdefault(name, {})[key.strip()] = parsed
     return out
+
+
+def warmup_cosine(steps: int, warmup: int) -> Callable[[int], float]:
+    """The learning-rate factor of every compared optimizer at a step: linear warmup over ``warmup`` steps, then a
+    cosine to 0 at ``steps``."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    return factor

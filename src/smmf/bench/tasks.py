@@ -338,7 +338,7 @@ def pretrain(model: ByteGPT, steps: int, device: torch.device, show_progress: bo
 
 
 def _pretrain(model: ByteGPT, steps: int, device: torch.device, show_progress: bool) -> dict[str, Tensor]:
-    from .compare import warmup_cosine
+    from .optimizers import warmup_cosine
     from .progress import progress
 
     net = model.build(int(PRETRAIN["seed"])).to(device)

@@ -25,7 +25,7 @@ BACKENDS = ("auto", "torch", "numba", "triton")
 
 # Each fused backend: its module (which defines ``BACKEND``) and what it covers. A backend is named
 # after the package it needs.
-_FACTORED = frozenset({MomentumCode.NONE, MomentumCode.SIGN, MomentumCode.FLAG})
+_FACTORED = frozenset({MomentumCode.NO_M, MomentumCode.SIGN, MomentumCode.FLAG})
 FUSED: dict[str, tuple[str, Coverage]] = {
     "numba": ("smmf.kernels.numba_cpu", Coverage(
         "cpu", frozenset({torch.float32, torch.float64, torch.bfloat16}), complex_params=False, sharded_complex=False,

@@ -30,14 +30,14 @@ class FlagPass(NamedTuple):
 
     Pass 0 leaves this shard's raw row and column sums of |M| in ``new_row_m``/``new_col_m``; pass 1
     encodes against the new factors the caller put there (sign and flag bits in place) and leaves the
-    shard's four level sums (Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²) in ``level_sums``. One of the two
+    shard's four level sums (Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²) in ``gain_sums``. One of the two
     passes also steps the weights (:meth:`Backend.updating_flag_pass`) and leaves V's raw sums in
     ``row_v``/``col_v``."""
 
     number: int  # 0 or 1
     new_row_m: Tensor
     new_col_m: Tensor
-    level_sums: Tensor
+    gain_sums: Tensor
 
 
 @dataclass(frozen=True)
@@ -75,14 +75,14 @@ class Backend(Protocol):
         ``start ..`` of the parameter's row-major flattening, ``state`` is the rank-local state (whole
         factor vectors, this shard's bits). Updates the weight and sign bits; leaves this shard's raw
         row and column sums in the four factor vectors (0 for rows it lacks), for the caller to add
-        up across shards and normalize (:func:`smmf.functional.store_factors_`). Codes SIGN and NONE,
+        up across shards and normalize (:func:`smmf.functional.store_factors_`). Codes SIGN and NO_M,
         and LEVELS for a param of two or more dims (the shard holds whole rows of M's code, ``state``'s
         codes and scales are its own, and only V's sums are left raw)."""
 
     def flag_shard_pass_(self, weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig, start: int,
                          flag_pass: FlagPass) -> Nonfinite:
         """One of the magnitude flag's two passes over a shard (:class:`FlagPass`); ``row_m``,
-        ``col_m`` and ``levels_m`` are the caller's to replace after both."""
+        ``col_m`` and the flag's gains are the caller's to replace after both."""
 
     def updating_flag_pass(self, cfg: StepConfig) -> int:
         """Which of the flag's two shard passes steps the weights (and reports the NaN/inf count)."""

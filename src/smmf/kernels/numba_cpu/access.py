@@ -9,7 +9,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from ...levels import DITHER_MULTIPLIERS
+from ...noise import HASH_MULTIPLIERS
 
 
 @intrinsic
@@ -59,13 +59,13 @@ def store(dst, start, row, stochastic, noise_base):
     """Write a loaded row back: nothing for fp32/fp64 (it lives in ``dst``); bf16 rounds to
     nearest even, or stochastically with ``stochastic``: element j adds the top 16 bits of
     :func:`hash32_at` (``noise_base``, j) below its kept bits (``noise_base``: the tensor's key at this
-    step, :func:`smmf.levels.rounding_key`, plus the row's first index in the param, so that no two elements
+    step, :func:`smmf.noise.rounding_key`, plus the row's first index in the param, so that no two elements
     of a tensor's step share it, a shard's included, and every path draws the same noise)."""
     raise NotImplementedError("compiled only")
 
 
 def mix32_ir(builder, x):
-    """LLVM IR of :func:`smmf.levels._mix32` on an i32 value ``x`` (two multiply-xorshift rounds), in
+    """LLVM IR of :func:`smmf.noise.mix32` on an i32 value ``x`` (two multiply-xorshift rounds), in
     32-bit lanes: numba widens integer products to 64 bits, whose vector multiply (``vpmullq``) made the
     hash cost 1.5× more per element."""
     i32 = ir.IntType(32)
@@ -73,8 +73,8 @@ def mix32_ir(builder, x):
     def xorshift(v, bits):
         return builder.xor(v, builder.lshr(v, ir.Constant(i32, bits)))
 
-    x = xorshift(builder.mul(xorshift(x, 16), ir.Constant(i32, DITHER_MULTIPLIERS[0])), 15)
-    return xorshift(builder.mul(x, ir.Constant(i32, DITHER_MULTIPLIERS[1])), 16)
+    x = xorshift(builder.mul(xorshift(x, 16), ir.Constant(i32, HASH_MULTIPLIERS[0])), 15)
+    return xorshift(builder.mul(x, ir.Constant(i32, HASH_MULTIPLIERS[1])), 16)
 
 
 def hashed_i32(builder, base, offset):
@@ -86,7 +86,7 @@ def hashed_i32(builder, base, offset):
 
 @intrinsic
 def hash32_at(typingctx, base, offset):  # noqa: ARG001 - numba's intrinsic signature
-    """:func:`smmf.levels._mix32` of (``base`` + ``offset``) mod 2³², a uint32."""
+    """:func:`smmf.noise.mix32` of (``base`` + ``offset``) mod 2³², a uint32."""
     def codegen(context, builder, signature, args):
         return hashed_i32(builder, args[0], args[1])
 

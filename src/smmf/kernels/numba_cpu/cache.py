@@ -62,9 +62,10 @@ def _warn_broken_cache(action: str, error: BaseException, instead: str = "compil
 
 
 # The sources a kernel's compiled code depends on: this package's modules (inlined into the cached
-# kernels), the constants of smmf.levels and the step schema's names of the kernels' numbers and options.
+# kernels), the constants of smmf.levels and smmf.noise and the step schema's names of the kernels' numbers and
+# options.
 _SOURCES = (*sorted(Path(__file__).parent.glob("*.py")),
-            *(Path(__file__).parents[2] / name for name in ("levels.py", "schema.py")))
+            *(Path(__file__).parents[2] / name for name in ("levels.py", "noise.py", "schema.py")))
 
 
 def digest_of(paths: tuple[Path, ...]) -> str:

@@ -287,7 +287,7 @@ def flag_run_write(wrow, grow, nonneg, above, col_m, new_col_m, col_v, acc_v, hi
 
 
 @numba.njit(inline="always")
-def flag_level(fit, energy):
+def flag_gain(fit, energy):
     """A level of the flag from its least-squares sums: fit / energy, 0 where energy is not positive
-    (:func:`smmf.functional.flag_levels`)."""
+    (:func:`smmf.functional.flag_gains`)."""
     return fit / energy if energy > 0 else 0

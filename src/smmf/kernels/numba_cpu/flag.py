@@ -3,7 +3,7 @@ factors of |M|, which need every row's |M|, so a step takes two passes over the 
 of rows: the first sums |M| (and, without L2 decay, steps the weights and sums V), the second forms M again from the
 same inputs and writes S and F against the new factors (and, with L2 decay, steps the weights). See
 :func:`smmf.functional.store_magnitude_flag_`. Its state arrays come in the step schema's order: ``row_m, col_m,
-sign_m, flag_m, levels_m, row_v, col_v``, then the new factors of |M| between the passes and the blocks' sums.
+sign_m, flag_m, gains_m, row_v, col_v``, then the new factors of |M| between the passes and the blocks' sums.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from .access import byte_span, load, pack_bytes, prefetch_lines, store, unpack_bytes
 from .cache import KERNEL_OPTIONS, cached_njit
-from .elements import flag_level, flag_run_encode, flag_run_sums, flag_run_update, flag_run_write
+from .elements import flag_gain, flag_run_encode, flag_run_sums, flag_run_update, flag_run_write
 from .rows import (COLUMN_TILE, PASS, PREFETCH, SCRATCH_PAD, block_rows, finish_cols, first_m_row, gather_m_rows,
                    m_rows_touched, m_run, segment)
 
@@ -43,7 +43,7 @@ def _prefetch(w, g, here, width, rows_left, m, updates, reads_w):
 
 
 @numba.njit(inline="always", **PASS)
-def _rows_pass(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scratch, b, geo, phase, opts, sc):
+def _rows_pass(w, g, row_m, col_m, sign_m, flag_m, gains_m, row_v, col_v, new_m, scratch, b, geo, phase, opts, sc):
     """Block ``b``'s rows of V's n×m view under the magnitude flag (one thread), in pass ``phase`` (0, 1), each
     forming this step's M from the same inputs. Either pass may *update*: the weights in place, the rows' new
     V sums into ``row_v``, V's column sums into the block's ``scratch`` (:func:`scratch_layout`); it returns
@@ -59,7 +59,7 @@ def _rows_pass(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m
     msums, fits = scratch[rows_at : rows_at + touched], scratch[fits_at : fits_at + 4]
     new_row_m, new_col_m = new_m[: row_m.shape[0]], new_m[row_m.shape[0] :]
     beta1, l2, zero = sc.beta1, sc.l2, sc.beta2 - sc.beta2  # 0 in the work dtype
-    high, low = levels_m[0], levels_m[1]
+    high, low = gains_m[0], gains_m[1]
     updates = (phase == 0) == (l2 == 0)
     encodes = phase == 1
     reads_w = updates or l2 != 0
@@ -127,19 +127,19 @@ def _rows_pass(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m
 
 
 @numba.njit(inline="always", **PASS)
-def _step(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scratch, bad_counts, geo, passes, opts,
+def _step(w, g, row_m, col_m, sign_m, flag_m, gains_m, row_v, col_v, new_m, scratch, bad_counts, geo, passes, opts,
           sc):
     """One SMMF step of one n×m matrix with the magnitude flag, in place: the paper's code's step's arguments
-    (:func:`.sign._step`) with the flag's bits and levels among the state's arrays, the new factors of |M|
+    (:func:`.sign._step`) with the flag's bits and gains among the state's arrays, the new factors of |M|
     (``new_m``: its row factors, then its column factors) and a row of ``scratch`` per block
     (:func:`scratch_layout`).
 
     The whole matrix (passes 0 .. 2): two passes (:func:`_rows_pass`), the new factors of |M| made
-    between them in ``new_m``, then the factors and levels stored. An FSDP2 shard's elements lo .. hi take
+    between them in ``new_m``, then the factors and gains stored. An FSDP2 shard's elements lo .. hi take
     one pass per call, for the caller to add up the shards' sums between them: pass 0 leaves |M|'s raw row
     and column sums in ``new_m``; pass 1 reads the new factors from it and leaves its blocks' level sums in
     their scratch; the pass that updates (0 without L2 decay, else 1) leaves V's raw sums in
-    ``row_v``/``col_v`` (0 for rows the shard lacks). Neither touches ``row_m``, ``col_m`` or ``levels_m``."""
+    ``row_v``/``col_v`` (0 for rows the shard lacks). Neither touches ``row_m``, ``col_m`` or ``gains_m``."""
     touched = m_rows_touched(geo.rows_per_block, geo.m, geo.m_cols)
     v_at, rows_at, fits_at, _ = scratch_layout(geo.m_cols, geo.m, touched)
     col_acc_m, col_acc_v = scratch[:, : geo.m_cols], scratch[:, v_at : v_at + geo.m]
@@ -153,7 +153,7 @@ def _step(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scr
             gather_m_rows(new_row_m, row_acc_m, geo)
             finish_cols(new_row_m, new_col_m, col_acc_m, True)
         for b in numba.prange(scratch.shape[0]):
-            bad = _rows_pass(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scratch[b], b, geo,
+            bad = _rows_pass(w, g, row_m, col_m, sign_m, flag_m, gains_m, row_v, col_v, new_m, scratch[b], b, geo,
                              phase, opts, sc)
             if phase == v_pass:
                 bad_counts[b] = bad
@@ -162,12 +162,12 @@ def _step(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scr
         row_m[:] = new_row_m
         col_m[:] = new_col_m
         for level in range(2):  # high from the flagged elements' sums, low from the others'
-            fit = levels_m[0] - levels_m[0]
+            fit = gains_m[0] - gains_m[0]
             energy = fit
             for b in range(fits.shape[0]):
                 fit += fits[b, 2 * level]
                 energy += fits[b, 2 * level + 1]
-            levels_m[level] = flag_level(fit, energy)
+            gains_m[level] = flag_gain(fit, energy)
     else:
         if passes.first == 0:  # |M|'s raw sums, into the new factors
             gather_m_rows(new_row_m, row_acc_m, geo)
@@ -181,14 +181,14 @@ def _step(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scr
 # The weight and gradient, the state's arrays in the schema's order, the new factors of |M|, the scratch (a row
 # per block: scratch_layout), the NaN/inf counts per block, then Geometry, FlagPasses, Options, Scalars.
 @cached_njit(parallel=True, **KERNEL_OPTIONS)
-def kernel_parallel(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scratch, bad_counts, geo,
+def kernel_parallel(w, g, row_m, col_m, sign_m, flag_m, gains_m, row_v, col_v, new_m, scratch, bad_counts, geo,
                     passes, opts, sc):
-    _step(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scratch, bad_counts, geo, passes, opts,
+    _step(w, g, row_m, col_m, sign_m, flag_m, gains_m, row_v, col_v, new_m, scratch, bad_counts, geo, passes, opts,
           sc)
 
 
 @cached_njit(**KERNEL_OPTIONS)
-def kernel_serial(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scratch, bad_counts, geo,
+def kernel_serial(w, g, row_m, col_m, sign_m, flag_m, gains_m, row_v, col_v, new_m, scratch, bad_counts, geo,
                   passes, opts, sc):
-    _step(w, g, row_m, col_m, sign_m, flag_m, levels_m, row_v, col_v, new_m, scratch, bad_counts, geo, passes, opts,
+    _step(w, g, row_m, col_m, sign_m, flag_m, gains_m, row_v, col_v, new_m, scratch, bad_counts, geo, passes, opts,
           sc)

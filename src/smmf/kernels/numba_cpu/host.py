@@ -20,7 +20,7 @@ from ...levels import BLOCK, levels_rows_cols, levels_shape
 from ...state import (CODES_M, COL_M, COL_V, ROW_M, ROW_V, SCALES_M, MomentumCode, matrix_shape, momentum_cols, real_view)
 from ...schema import SCHEMA
 from ..contract import FlagPass, LevelsEnds, StepItem
-from . import flag, none, sign
+from . import flag, no_m, sign
 from .launches import (ADDRESS, FLAG_ADDRESS, LEVELS_ADDRESS, many_blocks_kernel, many_flag_kernel, many_kernel,
                        many_levels_kernel)
 from .levels import LEVELS_KERNELS, level_table, levels_piece_ends_kernel, levels_piece_kernel, touched_v_rows
@@ -30,7 +30,7 @@ from .structs import FlagPasses, Geometry, LevelsGeometry, Options, PieceGeometr
 # Each code's kernels over a tensor (or a shard of one; the levels code's: LEVELS_KERNELS), by whether they run in
 # parallel. Each takes the weight, the gradient and its state's arrays in the schema's order (smmf.schema.SCHEMA).
 KERNELS = {MomentumCode.SIGN: {True: sign.kernel_parallel, False: sign.kernel_serial},
-           MomentumCode.NONE: {True: none.kernel_parallel, False: none.kernel_serial},
+           MomentumCode.NO_M: {True: no_m.kernel_parallel, False: no_m.kernel_serial},
            MomentumCode.FLAG: {True: flag.kernel_parallel, False: flag.kernel_serial}}
 
 # numba's workqueue threading layer (its fallback where OpenMP and TBB are missing) aborts the
@@ -155,7 +155,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
     touched = _m_rows_touched(rows_per_block, cols, m_cols)
     bad_counts = np.zeros(blocks, dtype=np.int64)
     args: tuple[Any, ...]
-    if cfg.code is MomentumCode.NONE:
+    if cfg.code is MomentumCode.NO_M:
         args = (np.empty((blocks, cols), dtype=scalar), bad_counts, geo, opts)
     elif cfg.code is MomentumCode.SIGN:  # |M|'s and V's column sums and M's row sums, per block
         args = (np.empty((blocks, m_cols), dtype=scalar), np.empty((blocks, cols), dtype=scalar),
@@ -181,7 +181,7 @@ def launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepConfig,
             flag_pass.new_row_m.copy_(torch.from_numpy(new_m[:m_rows]))
             flag_pass.new_col_m.copy_(torch.from_numpy(new_m[m_rows:]))
         else:
-            flag_pass.level_sums.copy_(torch.from_numpy(scratch[:, fits_at : fits_at + 4].sum(axis=0)))
+            flag_pass.gain_sums.copy_(torch.from_numpy(scratch[:, fits_at : fits_at + 4].sum(axis=0)))
     return sum(bad_counts.tolist()) if cfg.zero_nonfinite else 0
 
 

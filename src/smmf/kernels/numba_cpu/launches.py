@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 
 from ...levels import BLOCK
 from ...schema import SCHEMA, MomentumCode
-from . import flag, none, sign
+from . import flag, no_m, sign
 from .cache import KERNEL_OPTIONS, cached_njit
 from .levels import LEVELS_KERNELS, touched_v_rows
 from .rows import block_rows, finish_cols, m_rows_touched
@@ -37,7 +37,7 @@ _CODES_M, _SCALES_M, _LEVELS_ROW_V, _LEVELS_COL_V = (LEVELS_ADDRESS[key]
 _levels_serial = LEVELS_KERNELS[False]
 # And for the magnitude flag's: the weight, the gradient, then the flag's state.
 FLAG_ADDRESS = {field.key: 2 + i for i, field in enumerate(SCHEMA[MomentumCode.FLAG])}
-_F_ROW_M, _F_COL_M, _F_SIGN_M, _F_FLAG_M, _F_LEVELS_M, _F_ROW_V, _F_COL_V = (
+_F_ROW_M, _F_COL_M, _F_SIGN_M, _F_FLAG_M, _F_FLAG_GAINS_M, _F_ROW_V, _F_COL_V = (
     FLAG_ADDRESS[key] for key in ("row_m", "col_m", "sign_m", "flag_m", "levels_m", "row_v", "col_v"))
 
 
@@ -81,7 +81,7 @@ def many_kernel(addresses, sizes, scalars, flags, bad_counts):
                 np.empty((1, m_cols), dtype=np.float32), np.empty((1, m), dtype=np.float32),
                 np.empty((1, m_rows_touched(n, m, m_cols)), dtype=np.float32), bad, geo, opts, scalars_of(scalars[t]))
         else:
-            none.kernel_serial(w, g, row_v, col_v, np.empty((1, m), dtype=np.float32), bad, geo, opts,
+            no_m.kernel_serial(w, g, row_v, col_v, np.empty((1, m), dtype=np.float32), bad, geo, opts,
                                scalars_of(scalars[t]))
         bad_counts[t] = bad[0]
 
@@ -127,7 +127,7 @@ def many_flag_kernel(addresses, sizes, scalars, flags, bad_counts):
         flag.kernel_serial(
             _float_array(a[_W], n * m), _float_array(a[_G], n * m), _float_array(a[_F_ROW_M], m_rows),
             _float_array(a[_F_COL_M], m_cols), numba.carray(_address(a[_F_SIGN_M]), bits, np.uint8),
-            numba.carray(_address(a[_F_FLAG_M]), bits, np.uint8), _float_array(a[_F_LEVELS_M], 2),
+            numba.carray(_address(a[_F_FLAG_M]), bits, np.uint8), _float_array(a[_F_FLAG_GAINS_M], 2),
             _float_array(a[_F_ROW_V], n), _float_array(a[_F_COL_V], m), np.empty(m_rows + m_cols, dtype=np.float32),
             np.empty((1, width), dtype=np.float32), bad, Geometry(n, m, m_cols, 0, rows_per_block, 0, n * m),
             FlagPasses(0, 2), Options(False, flags[t, 0] != 0, True, 0), scalars_of(scalars[t]))
@@ -184,7 +184,7 @@ def _tensor_block(addresses, sizes, scalars, flags, scratch, bad_counts, t, b):
             _scratch(scratch, sizes[t, 7], blocks, m_rows_touched(rows_per_block, m, m_cols))[b],
             first_row, end_row, geo, opts, scalars_of(scalars[t]))
     else:
-        bad = none.block_pass(w, g, row_v, col_v, acc_v, first_row, end_row, geo, opts, scalars_of(scalars[t]))
+        bad = no_m.block_pass(w, g, row_v, col_v, acc_v, first_row, end_row, geo, opts, scalars_of(scalars[t]))
     bad_counts[sizes[t, 8] + b] = bad
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from ...levels import BLOCK, DITHER_BITS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from ...noise import DITHER_BITS
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
@@ -68,7 +69,7 @@ _SEVENTH, _SEVEN, _HALF, _SCALE_MAX = 0, 1, 2, 3
 
 @intrinsic
 def dither_at(typingctx, base, offset):  # noqa: ARG001 - numba's intrinsic signature
-    """:func:`smmf.levels.dither` of the element at index ``base + offset`` with the salt already in ``base``
+    """:func:`smmf.noise.dither` of the element at index ``base + offset`` with the salt already in ``base``
     (salt + the index of a run's first element): a float32 in [0, 1) (exact in either work dtype), from
     :func:`~smmf.kernels.numba_cpu.access.hashed_i32`'s 32-bit lanes."""
     def codegen(context, builder, signature, args):

@@ -65,7 +65,7 @@ class LevelsGeometry(NamedTuple):
     cols: int
     lo: int  # the arrays' first element in the param's row-major flattening: 0, or a shard's start
     rows_per_block: int
-    dither: bool  # stochastic rounding of the levels (smmf.levels.dither); else the nearest level
+    dither: bool  # stochastic rounding of the levels (smmf.noise.dither); else the nearest level
     salt: int  # the dither's salt at this step
 
 

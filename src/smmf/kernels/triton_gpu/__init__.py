@@ -5,7 +5,7 @@ Contract (same as :func:`smmf.functional.torch_step_`): each ``param`` (fp32, bf
 complex with such a real view) is updated in place from its ``grad``; its state — ``row_m``/
 ``col_m``/``row_v``/``col_v``, the fp32 factors of the n̂×m̂ square-matricized view (M's in its own
 view under ``momentum_shape="natural"``), ``sign_m``, the packed sign bits, and under
-``magnitude_bits=1`` ``flag_m`` (packed like the signs) and ``levels_m`` — is rewritten in place.
+``magnitude_bits=1`` ``flag_m`` (packed like the signs) and the flag's gains — is rewritten in place.
 ``state['step']`` is already advanced. :func:`triton_steps_` takes a whole list of such tensors:
 an optimizer step is a fixed number of launches whatever the number of tensors, as fused AdamW is one.
 
@@ -42,7 +42,7 @@ scratch starts, the elements lo .. hi of the row-major flattening that w, g and 
 (0 .. n·m, or an FSDP2 shard's range, whose first and last rows may be partial), M's own view:
 columns, rows, column tiles, bands, the first work item of :func:`.sums.momentum_sums_kernel` and where
 M's partial sums start (V's view unless ``momentum_shape="natural"``), and for the flag: the
-addresses of its bits and levels, where the new factors of |M| and the level sums sit in the
+addresses of its bits and gains, where the new factors of |M| and the gain sums sit in the
 partial buffer, and where its bit scratch starts (0 without the flag). The
 scalars of a launch (lr, β1_t, β2_t, …) are arguments, so tensors whose step configuration (or sign
 alignment, or code of M) differs go to separate launches. They stay seven arguments, not a small array the

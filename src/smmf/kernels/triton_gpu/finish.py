@@ -1,5 +1,5 @@
 """The Triton finish kernels: the factors from the step kernel's partial sums, in a fixed order, and
-under the magnitude flag its new factors and levels into the state."""
+under the magnitude flag its new factors and gains into the state."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from .table import (
     T_M_BANDS,
     T_M_PARTIAL_AT,
     T_FLAG_M,
-    T_LEVELS_M,
+    T_FLAG_GAINS_M,
     T_NEW_M_AT,
-    T_LEVEL_SUMS_AT,
+    T_GAIN_SUMS_AT,
     T_FLAG_WORDS_AT,
 )
 from .tiles import copy_bytes
@@ -110,9 +110,9 @@ def finish_kernel(meta_ptr, partial_ptr, words_ptr, BLOCK: tl.constexpr, KB: tl.
 @triton.jit
 def flag_finish_kernel(meta_ptr, partial_ptr, BLOCK: tl.constexpr):
     """Program t, under the magnitude flag, after the finish kernel: tensor t's new factors of |M|
-    (``T_NEW_M_AT``: in the partial buffer) into its state, and its levels h, l from the step
-    kernel's per-work-item sums (``T_LEVEL_SUMS_AT``), added in a fixed order: h = Σ_F |M|·R / Σ_F R², likewise
-    l over ¬F (0 where the denominator is 0; :func:`smmf.functional.flag_levels`)."""
+    (``T_NEW_M_AT``: in the partial buffer) into its state, and its gains h, l from the step
+    kernel's per-work-item sums (``T_GAIN_SUMS_AT``), added in a fixed order: h = Σ_F |M|·R / Σ_F R², likewise
+    l over ¬F (0 where the denominator is 0; :func:`smmf.functional.flag_gains`)."""
     t = tl.program_id(0)
     row = meta_ptr + t.to(tl.int64) * META_COLUMNS
     m_cols = tl.load(row + T_M_COLS)
@@ -126,7 +126,7 @@ def flag_finish_kernel(meta_ptr, partial_ptr, BLOCK: tl.constexpr):
         tl.store(row_m + idx, value, mask=idx < factors - m_cols)
         tl.store(col_m + idx - (factors - m_cols), value, mask=(idx >= factors - m_cols) & (idx < factors))
     items = tl.load(row + T_TILES) * tl.load(row + T_BANDS)
-    sums = partial_ptr + tl.load(row + T_LEVEL_SUMS_AT)
+    sums = partial_ptr + tl.load(row + T_GAIN_SUMS_AT)
     slot = tl.arange(0, 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # (level, fit | energy)
     acc = tl.zeros((BLOCK, 2, 2), dtype=tl.float32)
     for i0 in range(0, items, BLOCK):
@@ -137,4 +137,4 @@ def flag_finish_kernel(meta_ptr, partial_ptr, BLOCK: tl.constexpr):
     fit = tl.sum(tl.where(kind == 0, by_level, 0.0), axis=1)
     energy = tl.sum(tl.where(kind == 1, by_level, 0.0), axis=1)
     levels = tl.where(energy > 0, tl.math.div_rn(fit, tl.where(energy > 0, energy, 1.0)), 0.0)
-    tl.store(tl.load(row + T_LEVELS_M).to(tl.pointer_type(tl.float32)) + tl.arange(0, 2), levels)
+    tl.store(tl.load(row + T_FLAG_GAINS_M).to(tl.pointer_type(tl.float32)) + tl.arange(0, 2), levels)

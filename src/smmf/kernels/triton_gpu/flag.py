@@ -1,5 +1,5 @@
 """The step kernel of the 1-bit magnitude flag (``MomentumCode.FLAG``, ``magnitude_bits=1``) on CUDA: M decoded
-with the old sign and flag bits and levels, and encoded against the new factors of |M| that the sums kernel
+with the old sign and flag bits and gains, and encoded against the new factors of |M| that the sums kernel
 (:mod:`.sums`) and the finish kernel left in the partial buffer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .step import (band_of, band_rows, band_sums, bit_scratch, column_tile, m_estimate, m_factors, prepared_gradient,
                    second_moment, tile_geometry, tile_inputs, write_weights)
-from .table import (FP32_MAX, T_FLAG_M, T_FLAG_WORDS_AT, T_LEVEL_SUMS_AT, T_LEVELS_M, T_M_ROWS, T_NEW_M_AT,
+from .table import (FP32_MAX, T_FLAG_M, T_FLAG_WORDS_AT, T_GAIN_SUMS_AT, T_FLAG_GAINS_M, T_M_ROWS, T_NEW_M_AT,
                     T_SIGN_M, T_WORDS_AT)
 from .tiles import byte_geometry, flag_fit, momentum, pack_bits, unpack_bits
 
@@ -19,9 +19,9 @@ def flag_step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr,
                      gsign, shrink, l2, W_DTYPE: tl.constexpr, VECTOR: tl.constexpr, SHARD: tl.constexpr,
                      NATURAL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BAND: tl.constexpr):
     """One work item (a band of rows × a column tile of one tensor) under the magnitude flag, with the
-    arguments of :func:`.sign.sign_step_kernel`: M decoded with the old sign and flag bits and levels, and
+    arguments of :func:`.sign.sign_step_kernel`: M decoded with the old sign and flag bits and gains, and
     encoded against the new factors of |M| in the partial buffer (``T_NEW_M_AT``): new sign and flag bits
-    (F = [|M| > r cᵀ]), and the item's four least-squares sums of the levels (``T_LEVEL_SUMS_AT``). The sums
+    (F = [|M| > r cᵀ]), and the item's four least-squares sums of the levels (``T_GAIN_SUMS_AT``). The sums
     kernel made |M|'s sums, so only V's are made here."""
     ALIGNED: tl.constexpr = words_ptr is None
     t, row, tiles, local, band, tile, n, m, held_lo, held_hi, w_ptr, g_ptr, row_v_ptr, col_v_ptr, part = band_of(
@@ -33,8 +33,8 @@ def flag_step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr,
     if not ALIGNED:
         words = bit_scratch(row, T_WORDS_AT, words_ptr)
     flags_ptr = tl.load(row + T_FLAG_M).to(tl.pointer_type(tl.uint8))
-    levels_ptr = tl.load(row + T_LEVELS_M).to(tl.pointer_type(tl.float32))
-    high, low = tl.load(levels_ptr), tl.load(levels_ptr + 1)
+    gains_ptr = tl.load(row + T_FLAG_GAINS_M).to(tl.pointer_type(tl.float32))
+    high, low = tl.load(gains_ptr), tl.load(gains_ptr + 1)
     new_row_m = partial_ptr + tl.load(row + T_NEW_M_AT)  # then the new column factors, from M's row count on
     new_col_m = new_row_m + tl.load(row + T_M_ROWS)
     if not ALIGNED:
@@ -88,7 +88,7 @@ def flag_step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, words_ptr, bad_ptr,
                   ALIGNED, BR, BC)
         write_weights(w_ptr, base, offs, ok, w - lr * (mm / (tl.sqrt(v) + eps)), keys_ptr, t, start0, W_DTYPE)
     band_sums(part, acc_v, any_bad, bad_ptr, tiles, n, m, band, cols, col_ok)
-    item_sums = partial_ptr + tl.load(row + T_LEVEL_SUMS_AT) + 4 * local
+    item_sums = partial_ptr + tl.load(row + T_GAIN_SUMS_AT) + 4 * local
     tl.store(item_sums, tl.sum(fit_high, axis=0))
     tl.store(item_sums + 1, tl.sum(energy_high, axis=0))
     tl.store(item_sums + 2, tl.sum(fit_low, axis=0))

@@ -17,7 +17,7 @@ from ..contract import FlagPass, StepItem
 from .finish import finish_kernel, flag_finish_kernel
 from .levels import BLOCKS_PER_PROGRAM, LAUNCH_OPTIONS, STEP_WARPS, levels_step_kernel, v_sums_kernel
 from .flag import flag_step_kernel
-from .none import none_step_kernel
+from .no_m import no_m_step_kernel
 from .sign import sign_step_kernel
 from .sums import momentum_sums_kernel
 from . import table as tables  # tile shape read at each launch: benchmarks/gpu_tune.py sweeps it
@@ -202,7 +202,7 @@ def _shard_launch(weight: Tensor, grad: Tensor, state: dict[str, Any], cfg: Step
             if key in state:
                 state[key].zero_()
         if flag_pass:
-            flag_pass.level_sums.zero_()
+            flag_pass.gain_sums.zero_()
     else:
         flag_pass.new_row_m.zero_()
         flag_pass.new_col_m.zero_()
@@ -359,8 +359,8 @@ def _run(group: _Group, cfg: StepConfig, bad: Tensor, flag_pass: Optional[FlagPa
         TO_SCRATCH=False, **finish,
     )
     if flag_pass is not None:  # a shard's second pass: its work items' level sums, added in a fixed order
-        items, at = geometry[0]["tiles"] * geometry[0]["bands"], geometry[0]["level_sums_at"]
-        flag_pass.level_sums.copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
+        items, at = geometry[0]["tiles"] * geometry[0]["bands"], geometry[0]["gain_sums_at"]
+        flag_pass.gain_sums.copy_(partial[at : at + 4 * items].view(items, 4).sum(0))
     elif flag:
         flag_finish_kernel[(group.tensors,)](meta, partial, BLOCK=256, num_warps=4)
 
@@ -375,7 +375,7 @@ def _step_launch(group: _Group, cfg: StepConfig, partial: Tensor, words: Optiona
                    **blocks, **(dict(maxnreg=tables.MAX_REGISTERS) if tables.MAX_REGISTERS else {}))
     head = (group.meta, group.item_tensor, partial)
     if not group.has_m:
-        none_step_kernel[grid](*head, bad, keys, cfg.lr, cfg.beta2, cfg.eps, *cfg.folded(), **options)
+        no_m_step_kernel[grid](*head, bad, keys, cfg.lr, cfg.beta2, cfg.eps, *cfg.folded(), **options)
     else:
         kernel = flag_step_kernel if group.flag else sign_step_kernel
         kernel[grid](*head, words, bad, keys, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, *cfg.folded(),
@@ -388,7 +388,7 @@ def _run_levels(group: _Group, cfg: StepConfig, bad: Tensor, partial: Tensor, sa
     step over M's blocks (which still reads them), then the finish kernel's V factors (raw sums for a
     shard)."""
     gsign, shrink, l2 = cfg.folded()
-    assert cfg.beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NONE"
+    assert cfg.beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NO_M"
     dtype = _TL_DTYPES[group.dtype]
     v_sums_kernel[(group.item_tensor.numel(),)](
         group.meta, group.item_tensor, partial, cfg.beta2, 1.0 - cfg.beta2, gsign, shrink, l2, W_DTYPE=dtype,

@@ -36,7 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...levels import BLOCK, DITHER_BITS, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from ...levels import BLOCK, NEGATIVE, SCALE_MAX, SEVENTH, TOP_LEVEL
+from ...noise import DITHER_BITS
 from .step import write_weights
 from .table import (FP32_MAX, T_CODES_M, T_FIRST_ITEM, T_FIRST_SUMS_ITEM, T_LO, T_M, T_M_COLS,
                     T_M_ROWS, T_M_TILES, T_PARTIAL_AT, T_SCALES_M, T_TILES)
@@ -124,7 +125,7 @@ def decoded_momentum(codes, scale):
 
 @triton.jit
 def dither(salt, index):
-    """:func:`smmf.levels.dither` of the elements at ``index`` (int64): in [0, 1), fp32."""
+    """:func:`smmf.noise.dither` of the elements at ``index`` (int64): in [0, 1), fp32."""
     return (hash_at(salt, index) >> DITHER_SHIFT).to(tl.float32) * DITHER_UNIT
 
 

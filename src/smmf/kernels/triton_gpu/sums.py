@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .table import (FP32_MAX, T_COL_M, T_FIRST_SUMS_ITEM, T_FLAG_M, T_G, T_HI, T_LEVELS_M, T_LO, T_M,
+from .table import (FP32_MAX, T_COL_M, T_FIRST_SUMS_ITEM, T_FLAG_M, T_G, T_HI, T_FLAG_GAINS_M, T_LO, T_M,
                     T_M_COLS, T_M_PARTIAL_AT, T_M_ROWS, T_M_TILES, T_N, T_ROW_M, T_SIGN_M, T_W)
 from .tiles import momentum, unpack_bits, work_item
 
@@ -20,7 +20,7 @@ def momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
     (band, column tile) of the rows that hold elements lo .. hi (all, or an FSDP2 shard's), from the
     state before the step: this step's M formed as the step kernel forms it, which then only reads M's
     factors. Runs first: the step kernel rewrites the weights and the sign (and flag) bits. ``FLAG``: M is
-    decoded with the flag's bits and levels too."""
+    decoded with the flag's bits and gains too."""
     _, row, tiles, _, band, tile = work_item(meta_ptr, item_tensor_ptr, T_M_TILES, T_FIRST_SUMS_ITEM)
     b = tl.load(row + T_M_COLS)  # M's columns
     a_rows = tl.load(row + T_M_ROWS)
@@ -32,9 +32,9 @@ def momentum_sums_kernel(meta_ptr, item_tensor_ptr, partial_ptr, beta1, gsign, s
     m_part = partial_ptr + tl.load(row + T_M_PARTIAL_AT)
     if FLAG:
         flags_ptr = tl.load(row + T_FLAG_M).to(tl.pointer_type(tl.uint8))
-        levels_ptr = tl.load(row + T_LEVELS_M).to(tl.pointer_type(tl.float32))
-        high = tl.load(levels_ptr)
-        low = tl.load(levels_ptr + 1)
+        gains_ptr = tl.load(row + T_FLAG_GAINS_M).to(tl.pointer_type(tl.float32))
+        high = tl.load(gains_ptr)
+        low = tl.load(gains_ptr + 1)
     else:
         high = 0.0
         low = 0.0

@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...levels import BLOCK as LEVELS_BLOCK
-from ...schema import FACTORED_FIELDS
+from ...schema import FACTORED_FIELDS, FLAG_GAINS_M
 
 # The step kernels' geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of 8 × 128
 # on 8 warps, so that each warp holds one row of a tile (4 elements a thread) and a row's sums stay in its
@@ -35,9 +35,9 @@ COPY_PROGRAMS = 64  # programs per tensor that copy an unaligned tensor's sign s
 # read ``row + T_N``, and the host fills a row by name (``host._table_row``).
 TABLE_FIELDS = ("w", "g", *FACTORED_FIELDS, "n", "m", "tiles", "bands", "first_item", "partial_at", "words_at", "lo",
                 "hi", "m_cols", "m_rows", "m_tiles", "m_bands", "first_sums_item", "m_partial_at", "new_m_at",
-                "level_sums_at", "flag_words_at")
+                "gain_sums_at", "flag_words_at")
 for _column, _field in enumerate(TABLE_FIELDS):
-    globals()["T_" + _field.upper()] = tl.constexpr(_column)
+    globals()["T_" + ("flag_gains_m" if _field == FLAG_GAINS_M else _field).upper()] = tl.constexpr(_column)
 META_COLUMNS = tl.constexpr(len(TABLE_FIELDS))
 
 
@@ -69,18 +69,18 @@ def layout(spans: tuple[tuple[int, int, int, int, int, bool], ...], has_m: bool,
         m_tiles, m_bands = (triton.cdiv(m_cols, block_cols), triton.cdiv(held_m_rows, band_rows)) if sums_first else (tiles, bands)
         m_partial_at = partial_at + tiles * n + bands * m
         new_m_at = m_partial_at + ((m_tiles * m_rows + m_bands * m_cols) if has_m else 0)
-        level_sums_at = new_m_at + (m_rows + m_cols if flag else 0)
+        gain_sums_at = new_m_at + (m_rows + m_cols if flag else 0)
         sign_words = (hi - lo) // 32 + 2 if has_m and (m % 8 or lo % 8) else 0
         geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item,
                              partial_at=partial_at, words_at=words_at, lo=lo, hi=hi, m_cols=m_cols, m_rows=m_rows,
                              m_tiles=m_tiles, m_bands=m_bands, first_sums_item=first_sums_item,
-                             m_partial_at=m_partial_at, new_m_at=new_m_at, level_sums_at=level_sums_at,
+                             m_partial_at=m_partial_at, new_m_at=new_m_at, gain_sums_at=gain_sums_at,
                              flag_words_at=words_at + sign_words))
         counts.append(tiles * bands)
         sums_counts.append(m_tiles * m_bands if sums_first else 0)
         first_item += tiles * bands
         first_sums_item += sums_counts[-1]
-        partial_at = level_sums_at + (4 * tiles * bands if flag else 0)
+        partial_at = gain_sums_at + (4 * tiles * bands if flag else 0)
         words_at += sign_words * (2 if flag else 1)
     index = torch.arange(len(spans), dtype=torch.int32)
     items = torch.repeat_interleave(index, torch.tensor(counts))
@@ -110,7 +110,7 @@ def levels_layout(spans: tuple[tuple[int, int, int, int, int, int], ...], device
         geometry.append(dict(n=n, m=m, tiles=tiles, bands=bands, first_item=first_item,
                              partial_at=partial_at, words_at=0, lo=lo, hi=hi, m_cols=cols, m_rows=rows,
                              m_tiles=blocks_per_row, m_bands=0, first_sums_item=first_step_item, m_partial_at=0,
-                             new_m_at=0, level_sums_at=0, flag_words_at=0))
+                             new_m_at=0, gain_sums_at=0, flag_words_at=0))
         counts.append(tiles * bands)
         step_counts.append(triton.cdiv(rows * blocks_per_row, blocks_per_item))
         first_item += counts[-1]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...levels import DITHER_MULTIPLIERS
+from ...noise import HASH_MULTIPLIERS
 from .table import META_COLUMNS, T_COL_V, T_G, T_HI, T_LO, T_M, T_N, T_ROW_V, T_W
 
-HASH_MUL0, HASH_MUL1 = tl.constexpr(DITHER_MULTIPLIERS[0]), tl.constexpr(DITHER_MULTIPLIERS[1])
+HASH_MUL0, HASH_MUL1 = tl.constexpr(HASH_MULTIPLIERS[0]), tl.constexpr(HASH_MULTIPLIERS[1])
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def finite_or_cap(x, cap):
 
 @triton.jit
 def hash32(x):
-    """:func:`smmf.levels._mix32` (two multiply-xorshift rounds) of uint32 ``x``: its products wrap mod 2³²,
+    """:func:`smmf.noise.mix32` (two multiply-xorshift rounds) of uint32 ``x``: its products wrap mod 2³²,
     as the torch path's masks make them. A few instructions, where Philox (``tl.randint``) takes ten rounds."""
     x ^= x >> 16
     x *= tl.full((), HASH_MUL0, tl.uint32)

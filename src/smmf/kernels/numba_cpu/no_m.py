@@ -1,4 +1,4 @@
-"""No first moment on CPU (``MomentumCode.NONE``, ``beta=None``): one pass over the n×m view of V, parallel over
+"""No first moment on CPU (``MomentumCode.NO_M``, ``beta=None``): one pass over the n×m view of V, parallel over
 blocks of rows, each element's weight stepped by G / (√V + ε) and V's row and column sums accumulated as the pass
 goes. Its state arrays come in the step schema's order: ``row_v, col_v``.
 """

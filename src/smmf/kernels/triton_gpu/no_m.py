@@ -1,4 +1,4 @@
-"""The step kernel without a first moment (``MomentumCode.NONE``, ``beta=None``) on CUDA: V's factors only,
+"""The step kernel without a first moment (``MomentumCode.NO_M``, ``beta=None``) on CUDA: V's factors only,
 W −= lr·G / (√V + ε)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from .table import FP32_MAX
 
 
 @triton.jit
-def none_step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, bad_ptr, keys_ptr, lr, beta2, eps, gsign, shrink, l2,
+def no_m_step_kernel(meta_ptr, item_tensor_ptr, partial_ptr, bad_ptr, keys_ptr, lr, beta2, eps, gsign, shrink, l2,
                      W_DTYPE: tl.constexpr, VECTOR: tl.constexpr, SHARD: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, BAND: tl.constexpr):
     """One work item (a band of rows × a column tile of one tensor) without a first moment: reads w and g once,
