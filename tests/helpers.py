@@ -142,7 +142,7 @@ def step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict, cfg, c
     shard pass, ``(weight, grad, state, cfg, start)``) with its own copy of the factors and its own
     sign bits; the raw sums the pieces leave are added up and normalized as the all-reduce does.
     Updates ``state`` in place; returns the new weight, flat."""
-    from smmf.functional import store_factors_
+    from smmf.matrix import store_factors_
     from smmf.matrix import pack_signs
 
     has_m = "sign_m" in state
@@ -168,7 +168,7 @@ def levels_step_in_pieces(shard_step, weight: Tensor, grad: Tensor, state: dict,
     each piece of whole rows ``row_cuts[i] .. row_cuts[i + 1]`` of the param goes through ``shard_step``
     with its own copy of V's factors and its own rows' codes and scales; V's raw sums are added up and
     normalized as the all-reduce does. Updates ``state`` in place; returns the new weight, flat."""
-    from smmf.functional import store_factors_
+    from smmf.matrix import store_factors_
 
     cols = weight[0].numel()
     pieces, locals_ = [], []

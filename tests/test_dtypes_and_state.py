@@ -230,7 +230,7 @@ def test_torch_path_rounding_adds_the_hash_of_the_index_and_keeps_nan() -> None:
 
     w = torch.ones(8, 8, dtype=torch.bfloat16)
     cfg = StepConfig(lr=1e-3, beta1=None, beta2=0.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
-                     maximize=False, stochastic_rounding=True, code=MomentumCode.SIGN)
+                     maximize=False, stochastic_rounding=True, code=MomentumCode.NO_M)
     with pytest.raises(ValueError, match="rounding_key"):
         torch_step_(w, torch.ones_like(w), init_state(w, {"beta": None, "vector_reshape": True}), cfg)
     assert torch.equal(w, torch.ones_like(w))

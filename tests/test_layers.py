@@ -10,7 +10,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "smmf"
 
 # Lowest first. A module imports (anywhere in its body) only from its own layer or lower ones.
 LAYERS = [
-    {"matrix", "noise", "levels", "schedules", "table", "schema"},
+    {"matrix", "noise", "levels", "schedules", "table", "schema", "band"},
+    {"codes"},
     {"sharding"},
     {"state"},
     {"functional"},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smmf.functional import flag_gains
+from smmf.codes.flag import flag_gains
 
 
 
@@ -63,7 +63,7 @@ def test_numba_bf16_stochastic_rounding_adds_the_hash_of_its_index() -> None:
 
 def test_numba_flag_levels_are_flag_levels() -> None:
     numba = pytest.importorskip("numba")
-    """The levels the numba kernel makes from its level sums are :func:`smmf.functional.flag_gains`'s,
+    """The levels the numba kernel makes from its level sums are :func:`smmf.codes.flag.flag_gains`'s,
     including an empty set (energy 0) and NaN/inf sums."""
     from smmf.kernels.numba_cpu.elements import flag_gain
 

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from helpers import copied_state, copy_state_, updates_close
-from smmf.functional import StepConfig, decompress_momentum, torch_step_
+from smmf.codes import CODES
+from smmf.codes.sign import Sign
+from smmf.functional import StepConfig, torch_step_
 from smmf.kernels.triton_gpu import triton_step_
 from smmf.kernels.triton_gpu.tiles import bf16_rounded
 from smmf.noise import mix32, rounding_key, step_salt
@@ -42,7 +44,9 @@ def _decoded(state: dict, cfg: StepConfig) -> torch.Tensor:
     """M̂ as the state encodes it, flat."""
     shape = (state["row_m"].numel(), state["col_m"].numel())
     numel = shape[0] * shape[1]
-    return decompress_momentum(state, cfg, state["row_m"], lambda bits: unpack_signs(bits, numel).view(shape)).reshape(-1)
+    code = CODES[cfg.code]
+    assert isinstance(code, Sign), "the codes of M's factors and signs"
+    return code.decode(state, state["row_m"], lambda bits: unpack_signs(bits, numel).view(shape)).reshape(-1)
 
 
 def _same_code(out: dict, ref: dict, cfg: StepConfig) -> None:
@@ -275,7 +279,8 @@ def run_flag_shards(device: str) -> None:
     on and off a sign byte, an empty piece), their sums added up after each pass as the all-reduces
     do, equal the torch path's step of the whole matrix; M square and natural, one step with L2."""
     from helpers import piece_cuts, piece_state
-    from smmf.functional import flag_gains, store_factors_
+    from smmf.codes.flag import flag_gains
+    from smmf.matrix import store_factors_
     from smmf.kernels import FlagPass
     from smmf.kernels.triton_gpu import triton_flag_shard_pass_
     from smmf.matrix import pack_signs
@@ -468,7 +473,7 @@ def run_bf16_rounding(device: str) -> None:
 
     pair = [torch.ones(64, 64, dtype=torch.bfloat16, device=device) for _ in range(2)]
     cfg = StepConfig(lr=2.0**-9, beta1=None, beta2=0.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
-                     maximize=False, stochastic_rounding=True, code=MomentumCode.SIGN)  # half an ulp below 1
+                     maximize=False, stochastic_rounding=True, code=MomentumCode.NO_M)  # half an ulp below 1
     configs = [cfg.for_param(None, key) for key in (12345, 2**32 - 7)]
     triton_steps_([(q, torch.ones_like(q), init_state(q, {"beta": None, "vector_reshape": True}), c)
                    for q, c in zip(pair, configs)])

@@ -19,7 +19,8 @@ from .matrix import packed_sign_bytes
 from .options import validate_group
 from .sharding import (bits_for_checkpoint, bits_from_checkpoint, has_rows_layout, is_dtensor, placed_like,
                        rows_from_flat, shard_info)
-from .state import BIT_FIELDS, MOMENTUM_CODE_DEFAULTS, STEP, check_loaded_state, state_layout
+from .codes import BIT_FIELDS
+from .state import MOMENTUM_CODE_DEFAULTS, STEP, check_loaded_state, state_layout
 
 __all__ = ["ParamOf", "bits_by_rows", "bits_in_memory_layout", "check_loadable", "loaded_state", "saved_params"]
 

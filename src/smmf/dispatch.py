@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .codes import CODES
 from .distributed import fused_sharded_steps_, sharded_step_
 from .functional import Nonfinite, StepConfig, torch_step_
 from .kernels import FUSED, StepItem, fused_backend, load_backend
@@ -123,7 +124,7 @@ def _choose(backend: str, param: Tensor, code: MomentumCode, sharded: bool) -> t
     torch_path = SHARDED_TORCH if sharded else TORCH
     if backend == "torch":
         return torch_path, "backend='torch'"
-    if code is MomentumCode.DENSE:
+    if CODES[code].elementwise:
         return torch_path, "the dense state of a vector (vector_reshape=False) takes the torch path"
     if not sharded and _complex_goes_to_torch(param):
         return torch_path, f"no fused backend takes complex params on {param.device.type}"
@@ -149,10 +150,10 @@ def shard_backend(backend: str, piece: Tensor, code: MomentumCode) -> Optional[A
     where no fused backend covers it). The levels code's pieces, which may cut its blocks, take a backend that
     implements :class:`smmf.kernels.contract.LevelsPieces` (numba's), else the torch path. A named fused backend
     that cannot take the piece raises ``RuntimeError``."""
-    if backend == "torch" or code is MomentumCode.DENSE:
+    if backend == "torch" or CODES[code].elementwise:
         return None
     fused = fused_backend(backend, piece, code, sharded=True)
-    if code is MomentumCode.LEVELS:
+    if CODES[code].by_param_rows:
         return fused if hasattr(fused, "levels_piece_pass_") else None
     if fused is None and backend != "auto":
         raise RuntimeError(f"backend {backend!r} cannot update a piece of a {piece.dtype} parameter on "

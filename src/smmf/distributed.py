@@ -30,8 +30,10 @@ from torch import Tensor
 from .functional import Nonfinite, StepConfig, _whole_matrix_update, torch_step_
 from .kernels.contract import Backend, StepItem
 from .sharding import ShardInfo, local, shard_info
-from .shards import Band, Reducer, Rounds, add_counts, band_update, fused_shard_rounds, run_rounds
-from .state import ROW_V, MomentumCode, matrix_shape
+from .band import Band
+from .codes import CODES
+from .shards import Reducer, Rounds, add_counts, band_update, fused_shard_rounds, run_rounds
+from .state import ROW_V, matrix_shape
 
 __all__ = ["fused_sharded_steps_", "sharded_step_"]
 
@@ -46,10 +48,11 @@ def sharded_step_(param: Tensor, grad: Tensor, state: dict[str, Any], cfg: StepC
 def _local_step_(param: Tensor, info: ShardInfo, weight: Tensor, local_grad: Tensor, local_state: dict[str, Any],
                  cfg: StepConfig) -> Nonfinite:
     """:func:`sharded_step_` on the local tensors of ``param`` (whose ``info`` is given)."""
-    if cfg.code is MomentumCode.DENSE or not info.sharded:  # elementwise, or every rank holds it all
+    code = CODES[cfg.code]
+    if code.elementwise or not info.sharded:  # every rank holds it all
         return torch_step_(weight, local_grad, local_state, cfg, first=info.start)
     group = info.mesh.get_group()
-    if cfg.code is MomentumCode.LEVELS and param.dim() < 2:  # one row, cut anywhere: step it whole
+    if code.by_param_rows and param.dim() < 2:  # one row, cut anywhere: step it whole
         gather = partial(_gather_vector, total=param.numel(), world=info.world, group=group)
         own = slice(info.start, info.start + info.numel)
         return torch_step_(weight, local_grad, local_state, cfg, first=info.start,
@@ -101,9 +104,10 @@ def fused_sharded_steps_(items: Sequence[StepItem], backend: Backend) -> Nonfini
         info = _info(param)
         local_state = {key: local(value) for key, value in state.items()}
         weight, local_grad = local(param), local(grad)
-        if cfg.code is MomentumCode.DENSE:  # elementwise: the torch path
+        code = CODES[cfg.code]
+        if code.elementwise:  # the torch path
             found.append(torch_step_(weight, local_grad, local_state, cfg, first=info.start))
-        elif cfg.code is MomentumCode.LEVELS and info.sharded and param.dim() < 2:  # a vector: stepped whole
+        elif code.by_param_rows and info.sharded and param.dim() < 2:  # a vector: stepped whole
             vectors.append(_Vector(info, param.numel(), (weight, local_grad, local_state, cfg)))
         elif not info.sharded:  # every rank holds it all
             whole.append((weight, local_grad, local_state, cfg))
@@ -199,7 +203,7 @@ def _shard_steps(backend: Backend, shards: Sequence[_Shard]) -> list[Nonfinite]:
                 out[i], at = summed[at : at + count], at + count
         return out
 
-    count = 2 if any(shard.cfg.code is MomentumCode.FLAG for shard in shards) else 1
+    count = 2 if any(CODES[shard.cfg.code].flag_passes for shard in shards) else 1
     return run_rounds([shard.rounds(backend) for shard in shards], count if shards else 0, add_up)
 
 

@@ -2,7 +2,8 @@
 
 :func:`_factored_update` is Alg. 1 of the paper for one n×m matrix, line by line: decompress the
 momenta from their factors and sign bits, update them with this step's gradient, compress them
-again, and return the step direction built from the *uncompressed* momenta. Beyond the paper
+again, and return the step direction built from the *uncompressed* momenta; M's lines are its code's
+(:meth:`smmf.codes.Code.torch_m`, the paper's in :mod:`smmf.codes.sign`). Beyond the paper
 (opt-in), M may be factorized in the tensor's natural shape and carry a 1-bit magnitude flag.
 FSDP2 shards run the
 same algorithm on their band of rows in :mod:`smmf.distributed`; the fused kernels in
@@ -17,26 +18,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from .levels import decode_levels, encode_levels
+from .codes import CODES
+from .matrix import factor_sums, store_factors_
 from .noise import counter_hash
-from .matrix import factor_sum_cap, nnmf_from_sums, pack_signs, unpack_signs
 from .schema import STEP_NUMBERS
-from .state import (
-    CODES_M,
-    COL_M,
-    COL_V,
-    EXP_AVG,
-    EXP_AVG_SQ,
-    FLAG_M,
-    FLAG_GAINS_M,
-    ROW_M,
-    ROW_V,
-    SCALES_M,
-    SIGN_M,
-    MomentumCode,
-    factor_dtype,
-    real_view,
-)
+from .state import COL_V, ROW_V, MomentumCode, factor_dtype, real_view
 
 __all__ = ["StepConfig", "torch_step_", "write_back_"]
 
@@ -153,9 +139,8 @@ def torch_step_(
     # Logical row-major order: channels_last and other strided params are copied once.
     work = weight.to(factor_dtype(param)).contiguous()
     g, nonfinite = prepare_grad_(grad, work, cfg)
-    if cfg.code is MomentumCode.DENSE:
-        update = _dense_update(g, state, cfg)
-    else:
+    update = CODES[cfg.code].elementwise_direction(g, state, cfg)
+    if update is None:
         update = (matrix_update or _whole_matrix_update)(g.view(-1), state, cfg)
     work.add_(update.view_as(work), alpha=-cfg.lr)
     if work is not weight:
@@ -183,37 +168,9 @@ def prepare_grad_(grad: Tensor, work: Tensor, cfg: StepConfig) -> tuple[Tensor, 
     return g, nonfinite
 
 
-def _dense_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
-    exp_avg_sq = state[EXP_AVG_SQ]
-    exp_avg_sq.mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
-    denom = exp_avg_sq.sqrt().add_(cfg.eps)
-    if cfg.beta1 is None:
-        return g / denom
-    exp_avg = state[EXP_AVG]
-    exp_avg.mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
-    return exp_avg / denom
-
-
 def _whole_matrix_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
     rows, cols = state[ROW_V].numel(), state[COL_V].numel()
     return _factored_update(g.view(rows, cols), state, cfg).view(-1)
-
-
-def levels_update_(g: Tensor, state: dict[str, Any], cfg: StepConfig, first: int = 0) -> Tensor:
-    """The levels code's M (``magnitude_bits=3``): decoded by rows of the param, updated with ``g`` (the
-    same elements, row-major; ``first``: the index of its first element in the param, for a shard), coded
-    again into ``state``; returns this step's M, flat. A sign and a level per element, a scale per block
-    (:mod:`smmf.levels`)."""
-    codes, scales, beta1 = state[CODES_M], state[SCALES_M], cfg.beta1
-    assert beta1 is not None, "the levels code is a code of M: beta=None gives MomentumCode.NO_M"
-    if not g.numel():  # an FSDP2 shard without rows
-        return g.reshape(-1)
-    m = decode_levels(codes, scales, g.numel() // max(codes.shape[0], 1), g.dtype)
-    m.mul_(beta1).add_(g.reshape(m.shape), alpha=1.0 - beta1)
-    new_codes, new_scales = encode_levels(m, cfg.levels_salt, first)
-    codes.copy_(new_codes)
-    scales.copy_(new_scales)
-    return m.view(-1)
 
 
 def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tensor:
@@ -221,80 +178,13 @@ def _factored_update(g: Tensor, state: dict[str, Any], cfg: StepConfig) -> Tenso
     (``G / (√V + ε)`` without a first moment)."""
     # Decompress and update: V = β2·(r_V c_Vᵀ) + (1 − β2)·G²;  M = β1·(S ⊙ r_M c_Mᵀ) + (1 − β1)·G.
     v = torch.outer(state[ROW_V], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
-    m = None
-    if cfg.code is MomentumCode.LEVELS:
-        m = levels_update_(g, state, cfg).view(g.shape)
-    elif cfg.beta1 is not None:
-        # M in its own n×m view (the same as V's but under momentum_shape="natural").
-        m_shape = (state[ROW_M].numel(), state[COL_M].numel())
-        m = decompress_momentum(state, cfg, state[ROW_M], lambda bits: unpack_signs(bits, g.numel()).view(m_shape))
-        m.mul_(cfg.beta1).add_(g.reshape(m_shape), alpha=1.0 - cfg.beta1)
-        # Compress M: its signs, 1 bit each, and the rank-1 NNMF of |M| (and the magnitude flag).
-        state[SIGN_M].copy_(pack_signs(m >= 0))
-        magnitude = m.abs()
-        store_factors_(state, ROW_M, COL_M, *factor_sums(magnitude))
-        if cfg.code is MomentumCode.FLAG:
-            store_magnitude_flag_(state, magnitude)
-        m = m.view(g.shape)
+    # M decoded, updated and coded again, as its code keeps it (smmf.codes: Sign.torch_m is the paper's).
+    m = CODES[cfg.code].torch_m(g, state, cfg)
     # Compress V: rank-1 NNMF.
     store_factors_(state, ROW_V, COL_V, *factor_sums(v))
     # The step uses this step's uncompressed M and V.
     denom = v.sqrt_().add_(cfg.eps)
     return g / denom if m is None else m.div_(denom)
-
-
-def decompress_momentum(state: dict[str, Any], cfg: StepConfig, row_m: Tensor,
-                        bits_as_matrix: Callable[[Tensor], Tensor]) -> Tensor:
-    """``M̂ = S ⊙ r_M c_Mᵀ`` for the rows whose factors are ``row_m`` (every row, or a shard's band):
-    the magnitude from the factors, the sign from the bits; with the magnitude flag F,
-    ``M̂ = S ⊙ r_M c_Mᵀ ⊙ (l + (h − l)·F)``. ``bits_as_matrix`` unpacks packed bits to those rows."""
-    magnitude = torch.outer(row_m, state[COL_M])
-    if cfg.code is MomentumCode.FLAG:
-        high, low = state[FLAG_GAINS_M].unbind()
-        magnitude.mul_(torch.where(bits_as_matrix(state[FLAG_M]), high, low))
-    return torch.where(bits_as_matrix(state[SIGN_M]), magnitude, -magnitude)
-
-
-def store_magnitude_flag_(state: dict[str, Any], magnitude: Tensor) -> None:
-    """After the factors of |M| are stored: F = [|M| > r cᵀ] and the levels, from the whole matrix."""
-    above, sums = magnitude_flag_fit(magnitude, torch.outer(state[ROW_M], state[COL_M]))
-    state[FLAG_M].copy_(pack_signs(above))
-    state[FLAG_GAINS_M].copy_(flag_gains(sums))
-
-
-def magnitude_flag_fit(magnitude: Tensor, estimate: Tensor, numel: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """The flag F = [|M| > R] of ``magnitude`` against ``estimate`` R = r cᵀ (the new rank-1 estimate),
-    and the sums of the least-squares fit of |M| to R where F is set and where it is clear:
-    ``(Σ_F |M|·R, Σ_F R², Σ_¬F |M|·R, Σ_¬F R²)``. NaN products count 0, and each product is capped at
-    :func:`smmf.matrix.factor_sum_cap` of the whole matrix (``numel`` elements, by default these), so
-    the sums, and the levels, of finite gradients stay finite."""
-    above = magnitude > estimate
-    cap = factor_sum_cap(magnitude.numel() if numel is None else numel, estimate.dtype)
-    fit = (magnitude * estimate).nan_to_num_(posinf=cap).clamp_(max=cap)
-    energy = (estimate * estimate).nan_to_num_(posinf=cap).clamp_(max=cap)
-    sums = [part[where].sum() for where in (above, ~above) for part in (fit, energy)]
-    return above, torch.stack(sums)
-
-
-def flag_gains(sums: Tensor) -> Tensor:
-    """``(h, l)`` from :func:`magnitude_flag_fit`'s sums: ``h = Σ_F |M|·R / Σ_F R²``, likewise ``l``
-    (0 where the set is empty or R is 0 on it)."""
-    num, den = sums.view(2, 2).unbind(dim=1)
-    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
-
-
-def factor_sums(matrix: Tensor, numel: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """Row and column sums of a non-negative matrix, each element capped at
-    :func:`smmf.matrix.factor_sum_cap` (of a matrix of ``numel`` elements, by default its own)."""
-    capped = matrix.clamp(max=factor_sum_cap(matrix.numel() if numel is None else numel, matrix.dtype))
-    return capped.sum(dim=1), capped.sum(dim=0)
-
-
-def store_factors_(state: dict[str, Any], row_key: str, col_key: str, row_sums: Tensor, col_sums: Tensor) -> None:
-    """The rank-1 NNMF from the sums (``smmf.matrix.nnmf_from_sums``), into the state."""
-    rows, cols = nnmf_from_sums(row_sums, col_sums)
-    state[row_key].copy_(rows)
-    state[col_key].copy_(cols)
 
 
 def write_back_(dst: Tensor, src: Tensor, *, rounding_key: Optional[int], first: int = 0) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -20,6 +21,8 @@ __all__ = [
     "unpack_signs",
     "packed_sign_bytes",
     "factor_sum_cap",
+    "factor_sums",
+    "store_factors_",
 ]
 
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
@@ -89,3 +92,17 @@ def unpack_signs(packed: Tensor, numel: int) -> Tensor:
     shifts = _BIT_SHIFTS.to(packed.device)
     bits = (packed.reshape(-1, 1) >> shifts) & 1
     return bits.reshape(-1)[:numel].bool()
+
+
+def factor_sums(matrix: Tensor, numel: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Row and column sums of a non-negative matrix, each element capped at
+    :func:`factor_sum_cap` (of a matrix of ``numel`` elements, by default its own)."""
+    capped = matrix.clamp(max=factor_sum_cap(matrix.numel() if numel is None else numel, matrix.dtype))
+    return capped.sum(dim=1), capped.sum(dim=0)
+
+
+def store_factors_(state: dict[str, Any], row_key: str, col_key: str, row_sums: Tensor, col_sums: Tensor) -> None:
+    """The rank-1 NNMF from the sums (:func:`nnmf_from_sums`), into the state."""
+    rows, cols = nnmf_from_sums(row_sums, col_sums)
+    state[row_key].copy_(rows)
+    state[col_key].copy_(cols)

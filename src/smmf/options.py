@@ -18,11 +18,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from .codes import CODES, MAGNITUDE_BITS
 from .functional import StepConfig
 from .kernels import check_backend
 from .noise import rounding_key, step_salt
 from .schedules import beta1_at, beta2_at
-from .state import MAGNITUDE_BITS, MOMENTUM_CODE_DEFAULTS, MOMENTUM_SHAPES, MomentumCode
+from .state import MOMENTUM_CODE_DEFAULTS, MOMENTUM_SHAPES, MomentumCode
 
 __all__ = ["OPTIONS", "Option", "StepConfigs", "fill_optional", "names", "step_config", "validate_group",
            "warn_fp16_rounding"]
@@ -149,7 +150,7 @@ def step_config(group: dict[str, Any], step: int, code: MomentumCode) -> StepCon
         stochastic_rounding=group["stochastic_rounding"],
         code=code,
         zero_nonfinite=group["nonfinite_grads"] == "zero",
-        levels_salt=step_salt(step) if code is MomentumCode.LEVELS and group["momentum_rounding"] == "stochastic"
+        levels_salt=step_salt(step) if CODES[code].dithered and group["momentum_rounding"] == "stochastic"
         else None,
     )
 

@@ -31,16 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .codes import CODES
 from .dispatch import Kernel, shard_backend, step_kernel
 from .functional import Nonfinite, StepConfig, torch_step_
-from .levels import block_span, piece_codes_shape
-from .matrix import packed_sign_bytes
 from .schema import PIECES, PLACES
 from .shards import Rounds, add_counts, fused_shard_rounds, levels_piece_rounds, run_rounds, torch_shard_rounds
 from .state import (
-    BIT_FIELDS,
-    CODES_M,
-    SCALES_M,
     STEP,
     MomentumCode,
     TensorSpec,
@@ -133,16 +129,7 @@ def piece_layout(piece: Piece, group: Mapping[str, Any], dtype: torch.dtype) -> 
     layout = state_layout(meta, group)
     if piece.whole:
         return layout
-    code = momentum_code(meta, group)
-    if code is MomentumCode.DENSE:
-        return {key: TensorSpec((piece.numel,), spec.dtype) for key, spec in layout.items()}
-    if code is MomentumCode.LEVELS:
-        first, last = block_span(piece.shape, math.prod(piece.shape), piece.start, piece.numel)
-        layout[CODES_M] = TensorSpec(piece_codes_shape(piece.numel), torch.uint8)
-        layout[SCALES_M] = TensorSpec((last - first + 1,), torch.bfloat16)
-    for key in BIT_FIELDS & layout.keys():
-        layout[key] = TensorSpec((packed_sign_bytes(piece.numel),), torch.uint8)
-    return layout
+    return CODES[momentum_code(meta, group)].piece_layout(layout, piece.shape, piece.start, piece.numel)
 
 
 def init_pieces(partition: Partition, group: Mapping[str, Any], flat: Tensor) -> dict[str, Any]:
@@ -218,18 +205,8 @@ def round_sizes(tensor: CutTensor, group: Mapping[str, Any], dtype: torch.dtype,
     """The sizes of the tensors each round of a cut tensor's step adds up (:mod:`smmf.shards`), known to every
     rank, those that hold none of it too."""
     meta = _meta(tensor.shape, dtype)
-    code = momentum_code(meta, group)
-    if code is MomentumCode.DENSE:
-        return []
-    rows, cols = matrix_shape(meta)
-    if code is MomentumCode.NO_M:
-        return [[rows, cols]]
-    if code is MomentumCode.LEVELS:
-        return [[rows, cols, 2 * world]]
-    m_rows, m_cols = momentum_matrix_shape(meta, group)
-    if code is MomentumCode.SIGN:
-        return [[rows, cols, m_rows, m_cols]]
-    return [[m_rows, m_cols], [4, rows, cols]]
+    code = CODES[momentum_code(meta, group)]
+    return code.round_sizes(*matrix_shape(meta), *momentum_matrix_shape(meta, group), world)
 
 
 def step_partition_(flat: Tensor, grad: Tensor, partition: Partition, held: Mapping[str, Any],
@@ -251,9 +228,9 @@ def step_partition_(flat: Tensor, grad: Tensor, partition: Partition, held: Mapp
         if piece.whole:
             weight, piece_grad = weight.view(piece.shape), piece_grad.view(piece.shape)
             whole.setdefault(step_kernel(group["backend"], weight, code), []).append((weight, piece_grad, state, cfg))
-        elif code is MomentumCode.DENSE:
+        elif CODES[code].elementwise:
             found.append(torch_step_(weight, piece_grad, state, cfg, first=piece.start))
-        elif code is MomentumCode.LEVELS:
+        elif CODES[code].by_param_rows:
             rounds[piece.ordinal] = levels_piece_rounds(shard_backend(group["backend"], weight, code), weight,
                                                         piece_grad, state, cfg, piece.shape, piece.start,
                                                         cut[piece.ordinal].ranges, partition.rank)

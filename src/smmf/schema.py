@@ -18,11 +18,10 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from .levels import codes_shape, scales_shape
+import torch
 
 __all__ = ["CODES_M", "COL_M", "COL_V", "EXP_AVG", "EXP_AVG_SQ", "FLAG_M", "FLAG_GAINS_M", "ROW_M", "ROW_V", "SCALES_M",
-           "SIGN_M", "STEP", "SCHEMA", "STEP_NUMBERS", "STEP_OPTIONS", "Dims", "MomentumCode", "StateField",
-           "FACTORED_FIELDS", "BIT_FIELDS"]
+           "SIGN_M", "STEP", "STEP_NUMBERS", "STEP_OPTIONS", "Dims", "MomentumCode", "StateField", "TensorSpec"]
 
 
 class MomentumCode(enum.Enum):
@@ -84,26 +83,12 @@ class StateField:
     bits: bool = False
 
 
-_V = (StateField(ROW_V, lambda d: (d.rows,), "factor"), StateField(COL_V, lambda d: (d.cols,), "factor"))
-_SIGN = (StateField(ROW_M, lambda d: (d.m_rows,), "factor"), StateField(COL_M, lambda d: (d.m_cols,), "factor"),
-         StateField(SIGN_M, lambda d: (d.bit_bytes,), "uint8", own=True, bits=True))
-SCHEMA: dict[MomentumCode, tuple[StateField, ...]] = {
-    MomentumCode.DENSE: (StateField(EXP_AVG, lambda d: d.shape, "factor", own=True, first_moment=True),
-                         StateField(EXP_AVG_SQ, lambda d: d.shape, "factor", own=True)),
-    MomentumCode.NO_M: _V,
-    MomentumCode.SIGN: _SIGN + _V,
-    MomentumCode.FLAG: _SIGN + (StateField(FLAG_M, lambda d: (d.bit_bytes,), "uint8", own=True, bits=True),
-                                StateField(FLAG_GAINS_M, lambda d: (2,), "factor")) + _V,
-    MomentumCode.LEVELS: (StateField(CODES_M, lambda d: codes_shape(d.levels_rows, d.levels_cols), "uint8", own=True),
-                          StateField(SCALES_M, lambda d: scales_shape(d.levels_rows, d.levels_cols), "bf16", own=True))
-                         + _V,
-}
-# The state fields of the factored codes, each once, in schema order: the Triton table's columns of state.
-FACTORED_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(
-    field.key for code, fields in SCHEMA.items() if code is not MomentumCode.DENSE for field in fields))
+class TensorSpec(NamedTuple):
+    """A state tensor's shape and dtype, as a param's layout has it (:func:`smmf.state.state_layout`)."""
 
-# The fields of packed bits, one per element (StateField.bits).
-BIT_FIELDS: frozenset[str] = frozenset(field.key for fields in SCHEMA.values() for field in fields if field.bits)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
 
 # The numbers of a step, in the work dtype, as the kernels take them (``StepConfig.numbers`` in smmf.functional makes them):
 # lr; β1_t and 1 − β1_t (0 and 1 without a first moment); β2_t and 1 − β2_t (each rounded once from float64, as on

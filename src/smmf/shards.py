@@ -10,7 +10,7 @@ path, a fused backend's shard pass), the rounds of a code of M yield the same te
 
 - no first moment, and the levels code on whole rows of the parameter: ``[V's row sums, V's column sums]``;
 - the paper's code: ``[V's row sums, V's column sums, |M|'s row sums, |M|'s column sums]``;
-- the magnitude flag: ``[|M|'s row sums, |M|'s column sums]``, then ``[its 4 level sums, V's row sums, V's column
+- the magnitude flag: ``[|M|'s row sums, |M|'s column sums]``, then ``[its 4 gain sums, V's row sums, V's column
   sums]`` (the flag is fit against the new factors of |M|, so it needs the first round's sums);
 - the levels code on a piece that may cut its blocks (:func:`levels_piece_rounds`): ``[V's row sums, V's column
   sums, two block maxima per rank]``.
@@ -23,48 +23,21 @@ rounds of every piece of a step and add it up in one collective per round (:func
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .functional import (
-    Nonfinite,
-    StepConfig,
-    decompress_momentum,
-    factor_sums,
-    flag_gains,
-    levels_update_,
-    magnitude_flag_fit,
-    prepare_grad_,
-    store_factors_,
-    write_back_,
-)
+from .band import Band
+from .codes import CODES
+from .codes.flag import flag_gains
+from .functional import Nonfinite, StepConfig, prepare_grad_, write_back_
 from .kernels.contract import Backend, FlagPass, LevelsPieces
-from .levels import (
-    block_span,
-    decode_piece_levels,
-    encode_piece_levels,
-    piece_block_maxima,
-    piece_blocks,
-)
-from .matrix import pack_signs, unpack_signs
-from .state import (
-    CODES_M,
-    COL_M,
-    COL_V,
-    FLAG_M,
-    FLAG_GAINS_M,
-    ROW_M,
-    ROW_V,
-    SCALES_M,
-    SIGN_M,
-    MomentumCode,
-    real_view,
-)
+from .levels import block_span, decode_piece_levels, encode_piece_levels, piece_block_maxima, piece_blocks
+from .matrix import store_factors_
+from .state import CODES_M, COL_M, COL_V, FLAG_GAINS_M, ROW_M, ROW_V, SCALES_M, real_view
 
-__all__ = ["Band", "Rounds", "add_counts", "band_update", "fused_shard_rounds", "levels_piece_rounds", "run_rounds",
+__all__ = ["Rounds", "add_counts", "band_update", "fused_shard_rounds", "levels_piece_rounds", "run_rounds",
            "torch_shard_rounds"]
 
 # A piece's step: yields the tensors to add up across ranks, is sent their sums, returns its NaN/inf count.
@@ -73,68 +46,11 @@ Rounds = Generator[list[Tensor], list[Tensor], Nonfinite]
 Reducer = Callable[[list[Tensor]], list[Tensor]]
 
 
-@dataclass(frozen=True)
-class Band:
-    """The part of the n×m matrix that a tensor holds: rows ``[row0, row1)``, of whose row-major
-    flattening the tensor owns ``numel`` elements from ``first`` on (a shard's first and last rows
-    may be partial)."""
-
-    rows: int
-    cols: int
-    row0: int
-    row1: int
-    first: int
-    numel: int
-
-    @classmethod
-    def of_range(cls, rows: int, cols: int, start: int, numel: int) -> "Band":
-        row0 = start // cols if cols else 0
-        row1 = -(-(start + numel) // cols) if numel else row0
-        return cls(rows, cols, row0, row1, start - row0 * cols, numel)
-
-    @property
-    def start(self) -> int:
-        """The first owned element in the row-major flattening."""
-        return self.row0 * self.cols + self.first
-
-    def in_view(self, rows: int, cols: int) -> "Band":
-        """The same elements in another rows × cols view of the tensor."""
-        return Band.of_range(rows, cols, self.start, self.numel)
-
-    @property
-    def padded(self) -> bool:
-        return self.first != 0 or self.numel != (self.row1 - self.row0) * self.cols
-
-    def to_matrix(self, flat: Tensor) -> Tensor:
-        if not self.padded:
-            return flat.view(self.row1 - self.row0, self.cols)
-        out = flat.new_zeros(self.row1 - self.row0, self.cols)
-        out.view(-1)[self.first : self.first + self.numel] = flat
-        return out
-
-    def owned(self, matrix: Tensor) -> Tensor:
-        """The owned elements of a band matrix, flat."""
-        return matrix.reshape(-1)[self.first : self.first + self.numel]
-
-    def zero_padding_(self, matrix: Tensor) -> None:
-        if self.padded:
-            flat = matrix.view(-1)
-            flat[: self.first] = 0
-            flat[self.first + self.numel :] = 0
-
-    def sums(self, matrix: Tensor) -> list[Tensor]:
-        """The band matrix's row sums, as a whole-length vector (0 for the rows it lacks), and column
-        sums; each element capped as on the whole matrix (:func:`smmf.functional.factor_sums`)."""
-        row_sums, col_sums = factor_sums(matrix, numel=self.rows * self.cols)
-        full_rows = matrix.new_zeros(self.rows)
-        full_rows[self.row0 : self.row1] = row_sums
-        return [full_rows, col_sums]
-
-
 def band_rounds(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig,
                 band: Band) -> Generator[list[Tensor], list[Tensor], Tensor]:
-    """:func:`smmf.functional._factored_update` on a band, in rounds (the module docstring): returns the owned
-    elements' direction ``M / (√V + ε)``, flat, with the factors (and the flag's gains) stored.
+    """:func:`smmf.functional._factored_update` on a band, in rounds (the module docstring): V's band here, M's and
+    the rounds by its code (:meth:`smmf.codes.Code.band_rounds`); returns the owned elements' direction
+    ``M / (√V + ε)``, flat, with the factors (and the flag's gains) stored.
 
     ``band`` is in V's (square) view; M has its own band, the same elements in M's view (its rows are
     dim 0 under ``momentum_shape="natural"``). The levels code codes M by rows of the param: the band
@@ -143,41 +59,8 @@ def band_rounds(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig,
     v = torch.outer(state[ROW_V][band.row0 : band.row1], state[COL_V]).mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
     band.zero_padding_(v)
     v_sums = band.sums(v)
-    direction = band.owned(v.sqrt_().add_(cfg.eps))  # the denominator, owned elements
-    if cfg.code is MomentumCode.LEVELS:
-        direction = levels_update_(g_flat, state, cfg, band.start).div_(direction)
-    elif cfg.beta1 is None:
-        direction = band.owned(g).div(direction)
-    if cfg.code in (MomentumCode.LEVELS, MomentumCode.NO_M):
-        sums = yield v_sums
-        store_factors_(state, ROW_V, COL_V, *sums)
-        return direction
-    beta1 = cfg.beta1
-    assert beta1 is not None, "the codes with a first moment"
-    m_band = band.in_view(state[ROW_M].numel(), state[COL_M].numel())
-    m = decompress_momentum(state, cfg, state[ROW_M][m_band.row0 : m_band.row1],
-                            lambda bits: m_band.to_matrix(unpack_signs(bits, m_band.numel)))
-    m.mul_(beta1).add_(m_band.to_matrix(g_flat), alpha=1.0 - beta1)
-    m_band.zero_padding_(m)
-    direction = m_band.owned(m).div(direction)
-    magnitude = m.abs()
-    if cfg.code is MomentumCode.SIGN:
-        _store_bits_(state[SIGN_M], m_band.owned(m) >= 0)
-        sums = yield v_sums + m_band.sums(magnitude)
-        store_factors_(state, ROW_V, COL_V, sums[0], sums[1])
-        store_factors_(state, ROW_M, COL_M, sums[2], sums[3])
-        return direction
-    # The magnitude flag: the new factors of |M| first, then the flag against them.
-    new_row_m, new_col_m = yield m_band.sums(magnitude)
-    store_factors_(state, ROW_M, COL_M, new_row_m, new_col_m)
-    estimate = torch.outer(state[ROW_M][m_band.row0 : m_band.row1], state[COL_M])
-    above, gain_sums = magnitude_flag_fit(m_band.owned(magnitude), m_band.owned(estimate), band.rows * band.cols)
-    _store_bits_(state[SIGN_M], m_band.owned(m) >= 0)
-    _store_bits_(state[FLAG_M], above)
-    sums = yield [gain_sums] + v_sums
-    state[FLAG_GAINS_M].copy_(flag_gains(sums[0]))
-    store_factors_(state, ROW_V, COL_V, sums[1], sums[2])
-    return direction
+    denominator = band.owned(v.sqrt_().add_(cfg.eps))  # at the owned elements
+    return (yield from CODES[cfg.code].band_rounds(g_flat, state, cfg, band, v_sums, denominator))
 
 
 def band_update(g_flat: Tensor, state: dict[str, Any], cfg: StepConfig, band: Band, reduce: Reducer) -> Tensor:
@@ -213,11 +96,12 @@ def fused_shard_rounds(backend: Backend, weight: Tensor, grad: Tensor, state: di
     flag's two passes), in rounds. ``weight`` as for :func:`torch_shard_rounds`; a strided one goes through a
     contiguous copy. The levels code: a piece of whole rows of the param (its codes and scales its own)."""
     work = weight if weight.is_contiguous() else weight.contiguous()
-    if cfg.code is not MomentumCode.FLAG:
+    code = CODES[cfg.code]
+    if not code.flag_passes:
         found = backend.shard_step_(work, grad, state, cfg, start)
         if work is not weight:
             weight.copy_(work)
-        keys = [ROW_V, COL_V] + ([ROW_M, COL_M] if cfg.code is MomentumCode.SIGN else [])
+        keys = code.shard_sums
         sums = yield [state[key] for key in keys]
         for row_key, col_key, row_sums, col_sums in zip(keys[::2], keys[1::2], sums[::2], sums[1::2]):
             store_factors_(state, row_key, col_key, row_sums, col_sums)
@@ -341,8 +225,3 @@ def add_counts(found: Sequence[Nonfinite]) -> Nonfinite:
     counted = [n for n in found if n is not None]
     return sum(counted[1:], counted[0]) if counted else None
 
-
-def _store_bits_(packed: Tensor, bits: Tensor) -> None:
-    """This rank's bits, packed, at the start of its (padded) byte range."""
-    values = pack_signs(bits)
-    packed[: values.numel()].copy_(values)

@@ -1,39 +1,34 @@
 """Layout of the per-parameter SMMF state: which tensors, of which shape and dtype.
 
 One function, :func:`state_layout`, decides the layout from a parameter and its group's options, by the step
-schema of its code of M (:data:`smmf.schema.SCHEMA`). The optimizer builds its state from it, checkpoint loading
+fields of its code of M (:data:`smmf.codes.SCHEMA`). The optimizer builds its state from it, checkpoint loading
 validates against it, and the memory predictor counts it; so the three can never disagree.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, NamedTuple, Optional, cast
+from typing import Any, Mapping, Optional, cast
 
 import torch
 from torch import Tensor
 
 from .levels import codes_shape, levels_shape
 from .matrix import packed_sign_bytes, square_matricize_shape
-from .schema import (BIT_FIELDS, CODES_M, COL_M, COL_V, EXP_AVG, EXP_AVG_SQ, FLAG_M, FLAG_GAINS_M, ROW_M, ROW_V, SCALES_M,
-                     SCHEMA, SIGN_M, STEP, Dims, MomentumCode)
+from .codes import BIT_FIELDS, SCHEMA, choose
+from .schema import (CODES_M, COL_M, COL_V, EXP_AVG, EXP_AVG_SQ, FLAG_M, FLAG_GAINS_M, ROW_M, ROW_V, SCALES_M,
+                     SIGN_M, STEP, Dims, MomentumCode, TensorSpec)
 from .sharding import as_state, is_dtensor, local, shard_info
 
 MOMENTUM_SHAPES = ("square", "natural")
 # The group options that decide a state's layout (state_layout reads them; check_state_fits refuses a change).
 LAYOUT_OPTIONS = ("beta", "vector_reshape", "momentum_shape", "magnitude_bits")
-MAGNITUDE_BITS = (0, 1, 3)
 # The options that decide M's code, at the paper's values: what a group (or a checkpoint) without them has.
 MOMENTUM_CODE_DEFAULTS: dict[str, Any] = {"momentum_shape": "square", "magnitude_bits": 0}
 
 
 def momentum_option(group: Mapping[str, Any], key: str) -> Any:
     return group.get(key, MOMENTUM_CODE_DEFAULTS[key])
-
-
-class TensorSpec(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def real_view(tensor: Tensor) -> Tensor:
@@ -66,12 +61,7 @@ def momentum_matrix_shape(param: Tensor, group: Mapping[str, Any]) -> tuple[int,
 
 def momentum_code(param: Tensor, group: Mapping[str, Any]) -> MomentumCode:
     """The code of ``param``'s state under ``group``'s options."""
-    if is_dense(param, group):
-        return MomentumCode.DENSE
-    if group["beta"] is None:
-        return MomentumCode.NO_M
-    return {1: MomentumCode.FLAG, 3: MomentumCode.LEVELS}.get(momentum_option(group, "magnitude_bits"),
-                                                           MomentumCode.SIGN)
+    return choose(is_dense(param, group), group["beta"] is not None, momentum_option(group, "magnitude_bits"))
 
 
 def momentum_cols(state: Mapping[str, Any], cols: int) -> int:

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..state import MomentumCode
+from ..codes import FACTORED
+from ..schema import MomentumCode
 from .contract import Backend, Coverage, FlagPass, StepItem
 
 __all__ = ["BACKENDS", "Backend", "Coverage", "FlagPass", "StepItem", "available_backends", "check_backend",
@@ -25,14 +26,13 @@ BACKENDS = ("auto", "torch", "numba", "triton")
 
 # Each fused backend: its module (which defines ``BACKEND``) and what it covers. A backend is named
 # after the package it needs.
-_FACTORED = frozenset({MomentumCode.NO_M, MomentumCode.SIGN, MomentumCode.FLAG})
 FUSED: dict[str, tuple[str, Coverage]] = {
     "numba": ("smmf.kernels.numba_cpu", Coverage(
         "cpu", frozenset({torch.float32, torch.float64, torch.bfloat16}), complex_params=False, sharded_complex=False,
-        codes=_FACTORED | {MomentumCode.LEVELS})),
+        codes=FACTORED)),
     "triton": ("smmf.kernels.triton_gpu", Coverage(
         "cuda", frozenset({torch.float32, torch.bfloat16, torch.float16}), complex_params=True, sharded_complex=False,
-        codes=_FACTORED | {MomentumCode.LEVELS})),
+        codes=FACTORED)),
 }
 
 

@@ -44,7 +44,7 @@ class FlagPass(NamedTuple):
 class Coverage:
     """The params a fused backend takes: on ``device``, whose real view is one of ``dtypes``; complex
     ones (as their real view) where ``complex_params`` (``sharded_complex`` for FSDP2 shards); the
-    codes of M in ``codes`` (never the dense state, which only the torch path takes)."""
+    codes of M in ``codes`` (factored ones: the dense state only the torch path takes)."""
 
     device: str
     dtypes: frozenset[torch.dtype]
@@ -53,7 +53,7 @@ class Coverage:
     codes: frozenset[MomentumCode]
 
     def covers(self, param: Tensor, code: MomentumCode, sharded: bool) -> bool:
-        if code not in self.codes or code is MomentumCode.DENSE or param.device.type != self.device:
+        if code not in self.codes or param.device.type != self.device:
             return False
         if param.is_complex() and not (self.sharded_complex if sharded else self.complex_params):
             return False

@@ -18,7 +18,7 @@ from ...functional import StepConfig
 from ...matrix import factor_sum_cap, square_matricize_shape
 from ...levels import BLOCK, levels_rows_cols, levels_shape
 from ...state import (CODES_M, COL_M, COL_V, ROW_M, ROW_V, SCALES_M, MomentumCode, matrix_shape, momentum_cols, real_view)
-from ...schema import SCHEMA
+from ...codes import SCHEMA
 from ..contract import FlagPass, LevelsEnds, StepItem
 from . import flag, no_m, sign
 from .launches import (ADDRESS, FLAG_ADDRESS, LEVELS_ADDRESS, many_blocks_kernel, many_flag_kernel, many_kernel,

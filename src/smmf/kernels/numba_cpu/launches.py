@@ -19,7 +19,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from ...levels import BLOCK
-from ...schema import SCHEMA, MomentumCode
+from ...codes import SCHEMA
+from ...schema import MomentumCode
 from . import flag, no_m, sign
 from .cache import KERNEL_OPTIONS, cached_njit
 from .levels import LEVELS_KERNELS, touched_v_rows

@@ -12,7 +12,7 @@ from torch import Tensor
 from ...functional import StepConfig
 from ...levels import levels_rows_cols
 from ...state import (CODES_M, COL_M, COL_V, ROW_M, ROW_V, MomentumCode, matrix_shape, momentum_cols, real_view)
-from ...schema import FACTORED_FIELDS
+from ...codes import FACTORED_FIELDS
 from ..contract import FlagPass, StepItem
 from .finish import finish_kernel, flag_finish_kernel
 from .levels import BLOCKS_PER_PROGRAM, LAUNCH_OPTIONS, STEP_WARPS, levels_step_kernel, v_sums_kernel

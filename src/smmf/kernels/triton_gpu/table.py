@@ -15,7 +15,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ...levels import BLOCK as LEVELS_BLOCK
-from ...schema import FACTORED_FIELDS, FLAG_GAINS_M
+from ...codes import FACTORED_FIELDS
+from ...schema import FLAG_GAINS_M
 
 # The step kernels' geometry, chosen by benchmarks/gpu_tune.py on an H200 (docs/gpu.md): tiles of 8 × 128
 # on 8 warps, so that each warp holds one row of a tile (4 elements a thread) and a row's sums stay in its
