@@ -29,7 +29,7 @@ from smmf.bench.shapes import make_params
 from smmf.kernels.numba_cpu import host as numba_host
 from smmf.kernels.triton_gpu import host, levels
 
-KERNELS = ("sign_step_kernel", "flag_step_kernel", "none_step_kernel", "finish_kernel", "momentum_sums_kernel",
+KERNELS = ("sign_step_kernel", "flag_step_kernel", "no_m_step_kernel", "finish_kernel", "momentum_sums_kernel",
            "flag_finish_kernel", "v_sums_kernel", "levels_step_kernel")
 
 

@@ -4,6 +4,7 @@ CUDA need Triton, and are skipped where it is not installed."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -36,3 +37,44 @@ def test_a_benchmark_script_answers_help(script: str) -> None:
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout, done.stdout[-2000:]
+
+
+def _defines(module: Path, name: str) -> bool:
+    """Whether ``name`` is a submodule of the package at ``module`` or bound at its top level."""
+    if module.name == "__init__.py" and ((module.parent / f"{name}.py").exists() or (module.parent / name).is_dir()):
+        return True
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name.split(".")[0]) == name
+                                                                   for a in node.names):
+            return True
+        targets = [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else getattr(node, "targets", [])
+        if any(name in {n.id for n in ast.walk(t) if isinstance(n, ast.Name)} for t in targets):
+            return True
+        if isinstance(node, (ast.If, ast.Try)) and name in {getattr(n, "id", None) or getattr(n, "asname", None)
+                                                            or getattr(n, "name", None) for n in ast.walk(node)}:
+            return True  # bound under a condition (an optional dependency, or for type checkers beside a lazy import)
+    return False
+
+
+UNCHECKED = ("benchmarks", "studies", "tests", "examples")  # where no import runs without the optional packages
+
+
+@pytest.mark.parametrize("folder", UNCHECKED)
+def test_every_smmf_name_a_script_imports_exists(folder: str) -> None:
+    """Statically, so that the scripts and test helpers CI cannot import (they need Triton or a GPU) still fail
+    here when a restructuring renames what they import from smmf."""
+    missing = []
+    for script in sorted((ROOT / folder).glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "smmf"):
+                continue
+            base = ROOT / "src" / Path(*node.module.split("."))
+            module = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+            if not module.exists():
+                missing.append(f"{script.name}: {node.module}")
+                continue
+            missing += [f"{script.name}: {node.module}.{a.name}" for a in node.names
+                        if a.name != "*" and not _defines(module, a.name)]
+    assert not missing, missing

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from smmf.kernels.triton_gpu import finish, flag, levels, none, sign, sums, table
+from smmf.kernels.triton_gpu import finish, flag, levels, no_m, sign, sums, table
 
 _POINTERS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", words_ptr="*i32", bad_ptr="*i32",
                  keys_ptr="*i64")
@@ -34,7 +34,7 @@ _LEVELS_SCALARS = dict(beta2="fp32", rest2="fp32", gsign="fp32", shrink="fp32", 
 LEVELS_V_SUMS_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", partial_ptr="*fp32", **_LEVELS_SCALARS)
 LEVELS_STEP_ARGS = dict(meta_ptr="*i64", item_tensor_ptr="*i32", salts_ptr="*i64", bad_ptr="*i32", lr="fp32",
                         beta1="fp32", rest1="fp32", eps="fp32", keys_ptr="*i64", **_LEVELS_SCALARS)
-STEP_KERNELS = (sign.sign_step_kernel, flag.flag_step_kernel, none.none_step_kernel)
+STEP_KERNELS = (sign.sign_step_kernel, flag.flag_step_kernel, no_m.no_m_step_kernel)
 # Options a kernel is launched with beyond its warps.
 LAUNCH_OPTIONS = {levels.v_sums_kernel: levels.LAUNCH_OPTIONS, levels.levels_step_kernel: levels.LAUNCH_OPTIONS,
                   **{kernel: dict(maxnreg=table.MAX_REGISTERS) if table.MAX_REGISTERS else {} for kernel in STEP_KERNELS}}
@@ -58,7 +58,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
             consts["NATURAL"] = natural
             if aligned:
                 consts["words_ptr"] = None
-        kernel = flag.flag_step_kernel if with_flag else sign.sign_step_kernel if has_m else none.none_step_kernel
+        kernel = flag.flag_step_kernel if with_flag else sign.sign_step_kernel if has_m else no_m.no_m_step_kernel
         label = (f"step {dtype} m={has_m} aligned={aligned} vector={vector} shard={shard} natural={natural} "
                  f"flag={with_flag}")
         out.append((label, kernel, STEP_ARGS, consts, table.WARPS))
