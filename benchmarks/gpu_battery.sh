@@ -5,7 +5,8 @@
 # with fused AdamW (benchmarks/gpu_tune.py, whose fastest candidate that matches the torch path the
 # bench and profile stages then run under), `smmf bench --device cuda` (52M GPT-2-like, ResNet-50,
 # 1.56B GPT-2-XL-like; the opt-in momentum codes), where a step's time goes (benchmarks/gpu_profile.py),
-# and, opt-in, `training`: `smmf bench --training --device cuda`
+# opt-in, `bf16`: the committed geometry's step with bf16 params against fused AdamW's (benchmarks/gpu_tune.py
+# --default-only); and, opt-in, `training`: `smmf bench --training --device cuda`
 # (GPT-2 medium and large; the largest model within 24 GiB and within the card); opt-in, `study`:
 # `smmf compare` on stdlib-lm and finetune-lm with the peers, 3 seeds, runs side by side on the GPU
 # (partial results are kept when a task hits its limit), beside the tests; resumed from the runs committed in
@@ -16,6 +17,7 @@
 #   bash benchmarks/gpu_battery.sh            # tune bench profile, then tests (took 6 minutes on an H200)
 #   STAGES="tests tune" bash benchmarks/gpu_battery.sh
 #   STAGES="tests study" STUDY_S="330 180" bash benchmarks/gpu_battery.sh
+#   STAGES="tests" TESTS_K="cuda or triton" bash benchmarks/gpu_battery.sh   # only the tests that run on CUDA
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -34,10 +36,10 @@ tests() {
   # failing check with its traceback as it goes (pytest prints tracebacks at its end, which a stage's
   # limit has cut off before). Then the CUDA-related tests; -v names every test as it ends, and a per-test
   # limit keeps one hang from taking the stage.
-  timeout 240 python3 tests/triton_parity.py > "$OUT/parity_cuda.log" 2>&1
+  timeout "${PARITY_S:-240}" python3 tests/triton_parity.py > "$OUT/parity_cuda.log" 2>&1
   echo "parity rc=$?" | tee -a "$LOG"; grep -E "^FAILED|PARITY" "$OUT/parity_cuda.log" >> "$LOG"
   timeout "${TESTS_S:-330}" python3 -m pytest -v -p no:cacheprovider -rfs --tb=short --timeout 200 -n "${WORKERS:-6}" \
-    tests/test_cuda.py tests/test_fused_kernels.py tests/test_checkpoint.py tests/test_step_in_backward.py \
+    ${TESTS_K:+-k "$TESTS_K"} tests/test_cuda.py tests/test_fused_kernels.py tests/test_checkpoint.py tests/test_step_in_backward.py \
     > "$OUT/tests_cuda.log" 2>&1
   echo "cuda tests rc=$?" | tee -a "$LOG"; grep -E "FAILED|ERROR" "$OUT/tests_cuda.log" >> "$LOG"
   tail -3 "$OUT/tests_cuda.log" >> "$LOG"
@@ -83,8 +85,13 @@ if wanted bench; then
   stage bench  # the paper's code with the baselines and peaks; then the other codes of M, apart, so that one failing loses nothing else
   timeout 100 python3 benchmarks/with_geometry.py "$BEST" smmf.cli bench --device cuda --sets gpt2-52M,resnet50,gpt2-xl-1.3B --repeats 10 --json \
     > "$OUT/bench_cuda.json" 2>> "$LOG"; echo "bench rc=$?" | tee -a "$LOG"
-  timeout 80 python3 benchmarks/with_geometry.py "$BEST" smmf.cli bench --device cuda \
+  timeout "${CODES_S:-80}" python3 benchmarks/with_geometry.py "$BEST" smmf.cli bench --device cuda \
     --sets gpt2-52M,gpt2-xl-1.3B --momentum-codes --no-peak --repeats 8 --json > "$OUT/bench_codes.json" 2>> "$LOG"; echo "bench codes rc=$?" | tee -a "$LOG"
+fi
+if wanted bf16; then
+  stage bf16
+  timeout "${BF16_S:-60}" python3 benchmarks/gpu_tune.py --sets gpt2-52M,gpt2-xl-1.3B --dtypes bfloat16 --default-only \
+    --repeats 8 > "$OUT/bf16.json" 2>> "$LOG"; echo "bf16 rc=$?" | tee -a "$LOG"
 fi
 if wanted profile; then
   stage profile
@@ -97,7 +104,7 @@ if wanted tests && ! wanted study; then
 fi
 if wanted training; then
   stage training
-  timeout 200 python3 -m smmf.cli bench --training --device cuda --largest 24,card --json \
+  timeout "${TRAINING_S:-200}" python3 -m smmf.cli bench --training --device cuda --largest 24,card --json \
     > "$OUT/training_cuda.json" 2>> "$LOG"; echo "training rc=$?" | tee -a "$LOG"
 fi
 stage done

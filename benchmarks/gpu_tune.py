@@ -135,7 +135,12 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--best", metavar="FILE", help="also write the fastest candidate's settings here (JSON)")
+    parser.add_argument("--default-only", action="store_true",
+                        help="time the committed geometry alone (with fused AdamW and the axpy)")
     args = parser.parse_args()
+    if args.default_only:
+        for name in list(CANDIDATES)[1:]:
+            del CANDIDATES[name]
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bytes_per_second": copy_bandwidth("cuda"),
                                "candidates": CANDIDATES, "default": DEFAULT, "sets": {}}
     refused = {name: reason for name, reason in ((name, check(c)) for name, c in CANDIDATES.items()) if reason}
