@@ -386,9 +386,203 @@ def plain_load(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str,
     return results
 
 
+# Checkpoints that travel between world sizes: every world size takes the same global batch a step, its ranks
+# whole micro-batches of it (1, 2 and 3 ranks), so that runs at different numbers of ranks are one run.
+GLOBAL = 6
+
+
+def global_batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s share of step ``step``'s global batch at ``world`` ranks."""
+    x, y = batch(step, 0, size=GLOBAL)
+    share = GLOBAL // world
+    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+
+def one_process(options: dict[str, Any], steps: range, weights: Optional[list[torch.Tensor]] = None,
+                state: Optional[dict[str, Any]] = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``steps`` of the global batches in one process, from ``weights`` and an SMMF ``state`` (a fresh model's
+    and none by default): the params after, and before."""
+    from smmf import SMMF
+
+    model = make_model()
+    if weights is not None:
+        with torch.no_grad():
+            for param, weight in zip(model.parameters(), weights):
+                param.copy_(weight)
+    optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in steps:
+        optimizer.zero_grad()
+        loss_fn(model, *global_batch(step)).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], start
+
+
+def _travelling_engine(options: dict[str, Any], world: int, stage: int, weights: Optional[list[torch.Tensor]] = None):
+    import deepspeed
+
+    from smmf import SMMF
+
+    model = make_model()
+    if weights is not None:
+        with torch.no_grad():
+            for param, weight in zip(model.parameters(), weights):
+                param.copy_(weight)
+    settings = config(stage, world)
+    settings.update(train_micro_batch_size_per_gpu=GLOBAL // world, train_batch_size=GLOBAL)
+    optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+    with redirect_stdout(sys.stderr):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=settings)
+    return engine
+
+
+def _travel(engine, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        x, y = global_batch(step, rank, world)
+        engine.backward(loss_fn(engine, x, y))
+        engine.step()
+
+
+def travel_save(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case trained 3 steps and saved by ``engine.save_checkpoint`` into ``out/<name>`` (tag ``step3``), with
+    its full params beside (``weights.pt``)."""
+    for name, options, settings in cases:
+        engine = _travelling_engine(options, world, settings["stage"])
+        _travel(engine, range(3), rank, world)
+        with redirect_stdout(sys.stderr):
+            engine.save_checkpoint(str(out / name), tag="step3")
+        weights = full_params(engine)
+        if rank == 0:
+            torch.save(weights, out / name / "weights.pt")
+        engine.destroy()
+    return {}
+
+
+def travel_resume(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case's saved weights and tensor-wise state (``out/<name>/plain.pt``, or ``settings["folder"]``'s) loaded
+    under ZeRO at this number of ranks (``smmf.zero.load_state``) and trained 3 steps on: the full params."""
+    import smmf.zero
+
+    results = {}
+    for name, options, settings in cases:
+        folder = out / settings.get("folder", name)
+        engine = _travelling_engine(options, world, settings["stage"], torch.load(folder / "weights.pt"))
+        smmf.zero.load_state(engine, torch.load(folder / "plain.pt", weights_only=False))
+        _travel(engine, range(3, 6), rank, world)
+        results[name] = full_params(engine)
+        engine.destroy()
+    return results
+
+
+def travel_refusals(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case (the paper's code) trained a step under ZeRO, then offered by ``smmf.zero.load_state`` tensor-wise
+    states that do not fit: the recommended code's (``settings["other_code"]``' folder), its own with a tensor of
+    another shape (another model's), and torch's Adam's. For each: the error, and whether SMMF's state and
+    DeepSpeed's fp32 masters stayed as they were."""
+    import smmf.zero
+
+    results: dict[str, Any] = {}
+    for name, options, settings in cases:
+        engine = _travelling_engine(options, world, settings["stage"])
+        _travel(engine, range(1), rank, world)
+        client = engine.optimizer.optimizer
+        state, kept = _state_tensors(client), masters(engine)
+        own = torch.load(out / settings["own"] / "plain.pt", weights_only=False)
+        other_model = {**own, "state": {**own["state"], 0: {**own["state"][0], "row_v": torch.ones(5)}}}
+        model = make_model()
+        adam = torch.optim.Adam(model.parameters())
+        loss_fn(model, *global_batch(0)).backward()
+        adam.step()
+        offers = {"other code": torch.load(out / settings["other_code"] / "plain.pt", weights_only=False),
+                  "other model": other_model, "Adam": adam.state_dict()}
+        results[name] = {}
+        for label, offered in offers.items():
+            try:
+                smmf.zero.load_state(engine, offered)
+                error = None
+            except ValueError as err:
+                error = str(err)
+            results[name][label] = {
+                "error": error, "same_masters": all(torch.equal(a, b) for a, b in zip(kept, masters(engine))),
+                "same_state": len(state) == len(_state_tensors(client)) and all(
+                    torch.equal(a, b) for a, b in zip(state, _state_tensors(client)))}
+        engine.destroy()
+    return results
+
+
+def _fsdp2_model(world: int, weights: Optional[list[torch.Tensor]] = None) -> nn.Module:
+    """The MLP from ``weights`` (a fresh one's by default), each layer and the whole sharded by FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    if weights is not None:
+        with torch.no_grad():
+            for param, weight in zip(model.parameters(), weights):
+                param.copy_(weight)
+    mesh = init_device_mesh("cpu", (dist_world(),))
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def _fsdp2_train(model: nn.Module, optimizer, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        optimizer.zero_grad()
+        loss_fn(model, *global_batch(step, rank, world)).backward()  # FSDP2 averages the ranks' gradients
+        optimizer.step()
+
+
+def travel_fsdp2_save(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case trained 3 steps under FSDP2, its full weights and its full optimizer state dict
+    (``get_optimizer_state_dict(full_state_dict=True)``: keyed by the params' names, the bits by rows of the
+    param) saved into ``out/<name>``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from smmf import SMMF
+
+    for name, options, _ in cases:
+        model = _fsdp2_model(world)
+        optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+        _fsdp2_train(model, optimizer, range(3), rank, world)
+        full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        weights = [p.full_tensor().detach().clone() for p in model.parameters()]
+        if rank == 0:
+            (out / name).mkdir(parents=True, exist_ok=True)
+            torch.save(full, out / name / "plain.pt")
+            torch.save(weights, out / name / "weights.pt")
+    return {}
+
+
+def travel_fsdp2(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str, Any]:
+    """Each case's saved weights and tensor-wise state (``out/<name>/plain.pt``) loaded by an SMMF of FSDP2's
+    shards (``load_state_dict``: each rank takes its rows) and trained 3 steps on: the full params."""
+    from smmf import SMMF
+
+    results = {}
+    for name, options, _ in cases:
+        model = _fsdp2_model(world, torch.load(out / name / "weights.pt"))
+        optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+        optimizer.load_state_dict(torch.load(out / name / "plain.pt", weights_only=False))
+        _fsdp2_train(model, optimizer, range(3, 6), rank, world)
+        results[name] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return results
+
+
 JOBS: dict[str, Callable[[int, int, Path, list[Case]], dict[str, Any]]] = {
     "equality": equality, "bf16_by_hand": bf16_by_hand, "checkpoints": checkpoints, "reloads": reloads,
-    "refusals": refusals, "option_changes": option_changes, "initial_step": initial_step, "plain_load": plain_load}
+    "refusals": refusals, "option_changes": option_changes, "initial_step": initial_step, "plain_load": plain_load,
+    "travel_save": travel_save, "travel_resume": travel_resume, "travel_fsdp2_save": travel_fsdp2_save,
+    "travel_fsdp2": travel_fsdp2, "travel_refusals": travel_refusals}
 
 
 def battery(rank: int, world: int, port: int, out: str, jobs: list[tuple[str, list[Case]]]) -> None:

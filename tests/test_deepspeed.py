@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import deepspeed_workers as workers
 from helpers import deepspeed_shm_removed, free_port
 import smmf
+import smmf.zero
 from smmf.matrix import square_matricize_shape
 
 pytestmark = [
@@ -253,3 +254,51 @@ def test_nvme_offload_and_partial_data_parallel_groups_are_refused(monkeypatch) 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group is not None else 4)
     with pytest.raises(RuntimeError, match="2 of 4 ranks"):
         refuse_unsupported(None, "a data-parallel group of 2")
+
+
+TRAVEL_CODES = (("paper", {}), ("recommended", RECOMMENDED), ("flag", dict(magnitude_bits=1)))
+
+
+def test_checkpoints_travel_between_zero_stages_world_sizes_one_process_and_fsdp2(tmp_path, one_thread) -> None:
+    """Saved at 2 ranks under ZeRO-1, 2 and 3 after 3 steps, each code: ``smmf.zero.tensorwise_state`` joins the
+    ranks' pieces offline into a plain SMMF state dict, which continues the run for 3 more steps in one process
+    (``SMMF.load_state_dict``), under ZeRO at 1 and 3 ranks (``smmf.zero.load_state``, each rank cutting its
+    pieces) and under FSDP2 at 3 ranks (``load_state_dict``, each rank taking its rows); and an FSDP2 run saved at 2
+    ranks (its full optimizer state dict) continues under ZeRO-1, 2 and 3 at 3 ranks. Every run takes the same
+    global batches: each ends within float noise of the uninterrupted run in one process (over the tensor's update
+    in the 6 steps). A tensor-wise state of another code of M, of another model or of another optimizer is refused
+    under ZeRO, with SMMF's state and the masters as they were."""
+    cases = [(f"stage{stage}-{name}", options, dict(stage=stage)) for stage in (1, 2, 3) for name, options in TRAVEL_CODES]
+    fsdp2 = [(f"fsdp2-{name}", options, {}) for name, options in TRAVEL_CODES]
+    from_fsdp2 = [(f"fsdp2-{name}-to-stage{stage}", options, dict(stage=stage, folder=f"fsdp2-{name}"))
+                  for stage in (1, 2, 3) for name, options in TRAVEL_CODES]
+    _battery(tmp_path, 2, [("travel_save", cases), ("travel_fsdp2_save", fsdp2)])
+    gaps: dict[str, dict[str, float]] = {}
+    references = {name: workers.one_process(options, range(6)) for name, options in TRAVEL_CODES}
+    for name, options, _ in cases:
+        plain = smmf.zero.tensorwise_state(tmp_path / name)  # the tag from 'latest'
+        torch.save(plain, tmp_path / name / "plain.pt")
+        continued, _ = workers.one_process(options, range(3, 6), torch.load(tmp_path / name / "weights.pt"), plain)
+        gaps[name] = {"1 process": _gap(continued, *references[name.split("-")[1]])}
+    for world in (1, 3):
+        jobs = [("travel_resume", cases + (from_fsdp2 if world == 3 else []))] + ([("travel_fsdp2", cases)] if world == 3 else [])
+        refusals = [(f"stage{stage}-paper", {}, dict(stage=stage, own=f"stage{stage}-paper",
+                                                    other_code=f"stage{stage}-recommended")) for stage in (1, 3)]
+        results = _battery(tmp_path, world, jobs + ([("travel_refusals", refusals)] if world == 1 else []))
+        assert len(results.get("travel_refusals", {})) == (2 if world == 1 else 0)
+        for name, offers in results.get("travel_refusals", {}).items():
+            print(name, {label: result["error"][:150] for label, result in offers.items()})
+            for label, result in offers.items():
+                assert result["error"] is not None and result["same_state"] and result["same_masters"], (name, label, result)
+            assert "magnitude_bits" in offers["other code"]["error"], offers
+            assert "has shape (5,)" in offers["other model"]["error"], offers
+            assert "another optimizer's state dict" in offers["Adam"]["error"], offers
+        for job, label in (("travel_resume", f"ZeRO at {world}"), ("travel_fsdp2", f"FSDP2 at {world}")):
+            for name, params in results.get(job, {}).items():
+                gaps.setdefault(name, {})[label] = _gap(params, *references[name.split("-")[1]])
+    print("\nsaved at 2 ranks, continued elsewhere: largest difference from one uninterrupted process, over the update")
+    for name, row in gaps.items():
+        print(f"{name}: " + ", ".join(f"{where} {gap:.1e}" for where, gap in row.items()))
+    for name, row in gaps.items():
+        assert max(row.values()) < UPDATE_TOLERANCE, (name, row)
+

@@ -183,3 +183,23 @@ def test_the_deepspeed_example_resumes_exactly(run) -> None:
     result = run("torchrun", "deepspeed_zero.py", "--stage", "3")
     assert result["factors"] == {0: ((128,), (64,)), 1: ((16,), (8,)), 2: ((40,), (32,)), 3: ((5,), (2,))}
     _assert_resumes_exactly(result)
+
+
+@needs_deepspeed
+def test_the_zero_checkpoint_of_the_deepspeed_example_continues_in_one_process_and_at_three_ranks(run, tmp_path) -> None:
+    """examples/zero_to_anywhere.py, as docs/distributed.md shows it: the ZeRO-3 checkpoint examples/deepspeed_zero.py
+    saved at 2 ranks, continued in one process and under ZeRO-2 at 3 ranks, each equal to the 2-rank run's own
+    continuation up to the order of its sums."""
+    saved = run("torchrun", "deepspeed_zero.py", "--stage", "3")
+    script = str(ROOT / "examples" / "zero_to_anywhere.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+                "--master-port", port]
+    for name, cmd in (("one", [sys.executable, script]), ("zero", [*torchrun, script, "--zero", "2"])):
+        with deepspeed_shm_removed(port):
+            done = subprocess.run([*cmd, str(saved["out"]), "--params", str(tmp_path / f"{name}.pt")], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        for got, straight in zip(torch.load(tmp_path / f"{name}.pt"), saved["straight"]):
+            assert (got - straight).abs().max() <= 1e-6 * straight.abs().max(), name

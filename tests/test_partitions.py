@@ -103,3 +103,69 @@ def test_a_partitions_state_must_be_its_pieces() -> None:
         check_pieces(partition, LEVELS, flat, {**held, PLACES: {0: ((10, 3), 0, 30), 1: ((10,), 0, 10)}}, "here")
     with pytest.raises(RuntimeError, match="cannot change mid-run"):
         check_pieces(partition, {**LEVELS, "magnitude_bits": 0}, flat, held, "here")
+
+
+CUT_CASES = {"paper": ((129, 37), {}), "natural": ((129, 37), {"momentum_shape": "natural"}),
+             "flag": ((300, 7), {"magnitude_bits": 1}), "levels": ((7, 300), {"magnitude_bits": 3}),
+             "levels-vector": ((2100,), {"magnitude_bits": 3}), "no-first-moment": ((129, 37), {"beta": None}),
+             "dense-vector": ((2100,), {"vector_reshape": False})}
+
+
+@pytest.mark.parametrize("case", CUT_CASES)
+def test_a_tensors_state_cut_into_pieces_joins_back_whole_bit_for_bit(case: str) -> None:
+    """A plain SMMF's state of a tensor after 3 steps, cut into pieces mid-byte, mid-row and mid-block
+    (``cut_piece_state``, what a ZeRO rank holding each piece keeps), then joined (``join_piece_states``): every
+    tensor of the state as it was, for every code of M; each piece laid out as ``piece_layout`` says."""
+    from smmf import SMMF
+    from smmf.partitions import cut_piece_state, join_piece_states
+
+    shape, options = CUT_CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    param = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    optimizer = SMMF([param], lr=1e-2, backend="torch", **options)
+    for _ in range(3):
+        param.grad = torch.randn(shape, generator=gen)
+        optimizer.step()
+    whole, group, numel = optimizer.state[param], optimizer.param_groups[0], param.numel()
+    cuts = [0, 8 * (numel // 24) + 3, numel // 2 + 1, numel - 129, numel]
+    pieces = []
+    for start, end in zip(cuts[:-1], cuts[1:]):
+        piece = Piece(0, shape, start, end - start, 0)
+        state = cut_piece_state(whole, piece, group, torch.float32)
+        layout = piece_layout(piece, group, torch.float32)
+        assert set(state) == set(layout) | {STEP} and state[STEP] == 3
+        assert all(tuple(state[key].shape) == spec.shape and state[key].dtype == spec.dtype for key, spec in layout.items())
+        pieces.append((start, end - start, state))
+    joined = join_piece_states(pieces[::-1], shape, group, torch.float32, "a test")  # in any order
+    assert joined.keys() == whole.keys() and joined[STEP] == 3
+    for key, value in whole.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(joined[key], value), key
+
+
+def test_the_levels_cut_is_the_state_a_piece_keeps() -> None:
+    """``cut_piece_state`` of the levels code against this file's own cut (``_piece_of``), which the rounds of a
+    piece were checked against above: the same codes and scales for pieces that cut blocks and bytes."""
+    from smmf.partitions import cut_piece_state
+
+    shape = (7, 300)
+    whole = init_state(torch.zeros(shape), LEVELS)
+    gen = torch.Generator().manual_seed(0)
+    whole[CODES_M].copy_(torch.randint(0, 256, whole[CODES_M].shape, generator=gen, dtype=torch.uint8))
+    whole[SCALES_M].copy_(torch.rand(whole[SCALES_M].shape, generator=gen))
+    for start, count in [(0, 1), (1, 300), (299, 2), (257, 1000), (1500, 600)]:
+        mine = cut_piece_state(whole, Piece(0, shape, start, count, 0), LEVELS, torch.float32)
+        theirs = _piece_of(whole, shape, start, count)
+        assert torch.equal(mine[CODES_M], theirs[CODES_M]) and torch.equal(mine[SCALES_M], theirs[SCALES_M])
+
+
+def test_pieces_that_do_not_tile_a_tensor_or_differ_in_step_are_not_joined() -> None:
+    from smmf.partitions import join_piece_states
+
+    group = {**LEVELS, "beta": 0.9}
+    whole = init_state(torch.zeros(10, 10), group)
+    state = {**whole, STEP: 2}
+    with pytest.raises(ValueError, match="do not tile it"):
+        join_piece_states([(0, 40, state), (50, 50, state)], (10, 10), group, torch.float32, "parameter 3")
+    with pytest.raises(ValueError, match="different steps"):
+        join_piece_states([(0, 50, state), (50, 50, {**state, STEP: 3})], (10, 10), group, torch.float32, "p")

@@ -54,6 +54,15 @@ class Engine:
     def before_state_dict(self) -> None:
         """Called as ``state_dict()`` starts."""
 
+    def saved_extras(self) -> dict[str, Any]:
+        """What ``state_dict()`` saves beside ``state`` and ``param_groups`` for the engine."""
+        return {}
+
+    def tensorwise_to_own(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A state dict of the params' own, tensor-wise states (a plain SMMF's) in the form this engine's groups
+        load; any other state dict as it is."""
+        return state_dict
+
     def holds(self, tensor: Tensor) -> bool:
         """Whether ``tensor``, which the optimizer was not given, is this engine's (stepped by :meth:`prepare`)."""
         return False

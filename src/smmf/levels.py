@@ -40,7 +40,8 @@ from .noise import dither
 
 __all__ = ["BLOCK", "NEGATIVE", "SEVENTH", "TOP_LEVEL", "PieceBlocks", "block_span", "codes_shape", "decode_levels",
            "decode_piece_levels", "encode_levels", "encode_piece_levels", "levels_rows_cols", "levels_shape",
-           "piece_block_maxima", "piece_blocks", "piece_codes_shape", "scales_shape"]
+           "piece_block_maxima", "piece_blocks", "piece_codes_shape", "scales_shape", "codes_of_elements",
+           "packed_codes"]
 
 BLOCK = 128  # elements of a row that share a scale
 TOP_LEVEL = 7  # levels j = 0 .. 7: magnitudes j/7 of the block's scale (3 bits)
@@ -148,6 +149,18 @@ def piece_blocks(shape: tuple[int, ...], numel: int, start: int, count: int, dev
 
 def piece_codes_shape(count: int) -> tuple[int]:
     return ((count + 1) // 2,)
+
+
+def codes_of_elements(codes: Tensor, count: int) -> Tensor:
+    """The 4-bit codes packed two per byte (the even element in the low nibble), one byte each: the first
+    ``count``."""
+    return torch.stack([codes.reshape(-1) & 15, codes.reshape(-1) >> 4], dim=1).view(-1)[:count]
+
+
+def packed_codes(code: Tensor) -> Tensor:
+    """:func:`codes_of_elements`' inverse: two per byte, the last byte's high nibble 0 for an odd count."""
+    code = torch.nn.functional.pad(code.reshape(-1), (0, code.numel() % 2))
+    return code[0::2] | (code[1::2] << 4)
 
 
 def piece_block_maxima(m: Tensor, blocks: PieceBlocks) -> Tensor:

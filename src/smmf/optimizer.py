@@ -198,7 +198,8 @@ class SMMF(Optimizer):
         fresh = "_given" not in self.__dict__
         self._init_runtime()
         if fresh:
-            self._given.add([p for group in self.param_groups for p in group["params"]], 0)
+            for index, group in enumerate(self.param_groups):
+                self._given.add(group["params"], sum(len(g["params"]) for g in self.param_groups[:index]))
         self._all_groups = self.param_groups  # torch's load_state_dict sets new groups through here
 
     @torch.no_grad()
@@ -305,7 +306,7 @@ class SMMF(Optimizer):
         self._engine.before_state_dict()
         state_dict = super().state_dict()
         bits_by_rows(self.param_groups, state_dict)
-        return state_dict
+        return {**state_dict, **self._engine_now().saved_extras()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint whole or not at all, keeping fp32 factors and uint8 signs.
@@ -321,7 +322,7 @@ class SMMF(Optimizer):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        state_dict = bits_in_memory_layout(self.param_groups, state_dict)
+        state_dict = bits_in_memory_layout(self.param_groups, self._engine_now().tensorwise_to_own(state_dict))
         held = {id(p) for group in self.param_groups for p in group["params"] if self._engines(p)}
         param_of = check_loadable(self.param_groups, self.defaults, state_dict, self._engine, held)
         # An engine's tensors' states are restored by the engine, not by torch's loader.

@@ -52,8 +52,11 @@ class GivenParams:
 
     def __init__(self) -> None:
         self._refs: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        self.group_sizes: list[int] = []  # each group's count of params as given, in order
 
     def add(self, params: Iterable[Tensor], first_place: int) -> None:
+        params = list(params)
+        self.group_sizes.append(len(params))
         for place, param in enumerate(params, first_place):
             self._refs[id(param)] = (weakref.ref(param), place)
         if len(self._refs) > 64 and len(self._refs) > 2 * len(self.places()):  # forget the freed ones

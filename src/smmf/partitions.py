@@ -48,8 +48,8 @@ from .state import (
     state_layout,
 )
 
-__all__ = ["CutTensor", "Partition", "Piece", "PIECES", "PLACES", "check_loaded_pieces", "check_pieces", "exchange",
-           "init_pieces", "piece_layout", "step_partition_"]
+__all__ = ["CutTensor", "Partition", "Piece", "PIECES", "PLACES", "check_loaded_pieces", "check_pieces",
+           "cut_piece_state", "exchange", "init_pieces", "join_piece_states", "piece_layout", "step_partition_"]
 
 
 
@@ -132,6 +132,42 @@ def piece_layout(piece: Piece, group: Mapping[str, Any], dtype: torch.dtype) -> 
     return CODES[momentum_code(meta, group)].piece_layout(layout, piece.shape, piece.start, piece.numel)
 
 
+def cut_piece_state(whole: Mapping[str, Any], piece: Piece, group: Mapping[str, Any],
+                    dtype: torch.dtype) -> dict[str, Any]:
+    """The state of ``piece`` cut from its whole tensor's state ``whole`` (a plain SMMF's, of a param of ``dtype``
+    under ``group``'s options): what a rank holding the piece would have made, so that a tensor-wise checkpoint
+    continues under ZeRO at any number of ranks."""
+    tensors = {key: value for key, value in whole.items() if isinstance(value, Tensor)}
+    if piece.whole:
+        state = {key: value.clone() for key, value in tensors.items()}
+    else:
+        meta = _meta(piece.shape, dtype)
+        state = CODES[momentum_code(meta, group)].cut(tensors, piece.shape, piece.start, piece.numel)
+    return {**state, STEP: whole[STEP]}
+
+
+def join_piece_states(pieces: Sequence[tuple[int, int, Mapping[str, Any]]], shape: tuple[int, ...],
+                      group: Mapping[str, Any], dtype: torch.dtype, where: str) -> dict[str, Any]:
+    """A tensor's whole state (as a plain SMMF keeps it) from the states of its pieces on the ranks, each
+    ``(start, numel, state)``; ``ValueError`` unless they tile the tensor and were stepped alike."""
+    pieces = sorted(pieces, key=lambda piece: piece[0])
+    ends = [0] + [start + numel for start, numel, _ in pieces]
+    if [start for start, _, _ in pieces] != ends[:-1] or ends[-1] != math.prod(shape):
+        raise ValueError(f"{where}: the pieces saved of this tensor of shape {shape} (elements "
+                         f"{[(start, start + numel) for start, numel, _ in pieces]}) do not tile it: are the files of "
+                         "some ranks missing?")
+    steps = {int(state[STEP]) for _, _, state in pieces}
+    if len(steps) != 1:
+        raise ValueError(f"{where}: the pieces of this tensor were saved at different steps {sorted(steps)}")
+    meta = _meta(shape, dtype)
+    layout = state_layout(meta, group)
+    if len(pieces) == 1:
+        return {**{key: pieces[0][2][key] for key in layout}, STEP: steps.pop()}
+    joined = CODES[momentum_code(meta, group)].join([(start, numel, dict(state)) for start, numel, state in pieces],
+                                                    shape, layout)
+    return {**joined, STEP: steps.pop()}
+
+
 def init_pieces(partition: Partition, group: Mapping[str, Any], flat: Tensor) -> dict[str, Any]:
     """A buffer's state before its first step: every piece's zeros, laid out by :func:`piece_layout`."""
     states = {}
@@ -151,7 +187,8 @@ def check_pieces(partition: Partition, group: Mapping[str, Any], flat: Tensor, h
         raise RuntimeError(f"{where}: the SMMF state of a DeepSpeed ZeRO partition holds {sorted(held)}, not its "
                            f"'{PIECES}' and '{PLACES}': was it loaded from another optimizer's checkpoint or from "
                            "DeepSpeed's universal checkpoint, which cannot carry SMMF's state? Resume from a ZeRO "
-                           "checkpoint of SMMF saved at this number of ranks")
+                           "checkpoint of SMMF saved at this number of ranks, or, at another, from its tensor-wise "
+                           "state: smmf.zero.tensorwise_state (or `smmf zero-to-plain`), then smmf.zero.load_state")
     places = {piece.ordinal: piece.place for piece in partition.pieces}
     if dict(held[PLACES]) != places:
         raise RuntimeError(f"{where}: the SMMF state of this DeepSpeed ZeRO partition is of other pieces of the "
@@ -190,7 +227,8 @@ def check_loaded_pieces(partition: Partition, group: Mapping[str, Any], flat: Te
         raise ValueError(f"{where}: this checkpoint holds SMMF's state of other pieces of the model's tensors (shape, "
                          f"first element, count by parameter) than this rank holds now: {saved_places} against "
                          f"{places}. It was saved at another number of ranks or another ZeRO layout (DeepSpeed "
-                         "cannot reshard SMMF's state): resume at the number of ranks that saved it")
+                         "cannot reshard SMMF's state): resume at the number of ranks that saved it, or join its "
+                         "pieces with smmf.zero.tensorwise_state and load that with smmf.zero.load_state")
     for piece in partition.pieces:
         check_loaded_values(piece_layout(piece, group, flat.dtype), saved[PIECES][piece.ordinal], where,
                             f"the piece of parameter {piece.ordinal} (shape {piece.shape}, elements {piece.start} .. "

@@ -21,6 +21,7 @@ What SMMF does not cover is refused at the first step, before anything changes (
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from types import FrameType
@@ -30,9 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .partitions import Partition, Piece, exchange
+from .partitions import Partition, Piece, exchange, join_piece_states
+from .schema import PIECES, PLACES
 
-__all__ = ["check_checkpoint", "find_partition", "is_deepspeed_buffer", "load_checkpoint", "stepping_to_make_state"]
+__all__ = ["check_checkpoint", "find_partition", "is_deepspeed_buffer", "load_checkpoint", "load_state",
+           "stepping_to_make_state", "tensorwise_state"]
+
+# The key of SMMF's state dict under ZeRO that says how many params each group was given (frozen ones too).
+GIVEN_GROUPS = "given_group_sizes"
 
 
 def is_deepspeed_buffer(tensor: Tensor, params: Sequence[Tensor]) -> bool:
@@ -176,23 +182,14 @@ def check_checkpoint(engine: Any, load_dir: Union[str, os.PathLike], tag: Option
     the model-states file that holds the engine's settings. DeepSpeed cannot re-cut ZeRO's partitions at another
     world size: it refuses the load, or, under ZeRO-3 with frozen params, fails inside its module load with a size
     mismatch after it has changed some of the weights."""
-    folder = Path(load_dir)
-    if tag is None:
-        latest = folder / "latest"
-        if not latest.is_file():
-            raise ValueError(f"{folder} has no 'latest' file: name the checkpoint's tag")
-        tag = latest.read_text().strip()
+    found = _tag_folder(load_dir, tag)
     # The engine's own file first (ZeRO's rank 0, or the one file without ZeRO): an expert's or a pipeline layer's
     # holds no settings.
-    found = folder / str(tag)
     files = [path for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt")
              if (path := found / name).is_file()] or sorted(found.glob("*model_states.pt"))
     if not files:
-        raise ValueError(f"{folder / str(tag)} holds no DeepSpeed checkpoint (no *model_states.pt file)")
-    try:
-        saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # not in the zipfile format, which mmap needs
-        saved = torch.load(files[0], map_location="cpu", weights_only=False)
+        raise ValueError(f"{found} holds no DeepSpeed checkpoint (no *model_states.pt file)")
+    saved = _load(files[0])
     # DeepSpeed saves the sequence-data-parallel world (the data-parallel one without sequence parallelism).
     world = getattr(engine, "seq_dp_world_size", getattr(engine, "dp_world_size", None))
     stage = engine.zero_optimization_stage()
@@ -217,3 +214,112 @@ def load_checkpoint(engine: Any, load_dir: Union[str, os.PathLike], tag: Optiona
     if not (module_only and engine.zero_optimization_stage() < 3):
         check_checkpoint(engine, load_dir, tag)
     return engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
+
+
+def _tag_folder(load_dir: Union[str, os.PathLike], tag: Optional[str]) -> Path:
+    """The folder of checkpoint ``tag`` in ``load_dir`` (``tag`` None: the one its ``latest`` file names)."""
+    folder = Path(load_dir)
+    if tag is None:
+        latest = folder / "latest"
+        if not latest.is_file():
+            raise ValueError(f"{folder} has no 'latest' file: name the checkpoint's tag")
+        tag = latest.read_text().strip()
+    return folder / str(tag)
+
+
+def _load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # not in the zipfile format, which mmap needs
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _rank_of(path: Path) -> int:
+    found = re.search(r"zero_pp_rank_(\d+)_", path.name)
+    return int(found.group(1)) if found else 0
+
+
+def tensorwise_state(load_dir: Union[str, os.PathLike], tag: Optional[str] = None) -> dict[str, Any]:
+    """The plain ``SMMF.state_dict()`` of the model's params from a DeepSpeed checkpoint of SMMF under ZeRO
+    (stages 1, 2 and 3, saved at any number of ranks; ``tag`` None: the one ``load_dir``'s ``latest`` file names):
+    each tensor's state joined from the pieces its ranks saved (:func:`smmf.partitions.join_piece_states`), read
+    on the CPU without launching ranks, as DeepSpeed's ``zero_to_fp32`` reads the weights. It loads into an SMMF
+    of the same params in the same groups: in one process, under FSDP2 (``torch.distributed.checkpoint``'s
+    ``set_optimizer_state_dict`` with ``full_state_dict=True``), or under ZeRO at any number of ranks
+    (:func:`load_state`). Raises ``ValueError`` for a checkpoint of another optimizer or one missing ranks' files."""
+    found = _tag_folder(load_dir, tag)
+    files = sorted(found.glob("*optim_states.pt"), key=_rank_of)
+    if not files:
+        raise ValueError(f"{found} holds no optimizer state of DeepSpeed ZeRO (no *optim_states.pt file): the weights "
+                         "alone were saved, or it is not a ZeRO checkpoint")
+    clients = [_client_state(path) for path in files]
+    first = clients[0]
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in first["param_groups"]]
+    group_of = {pid: index for index, group in enumerate(first["param_groups"]) for pid in group["params"]}
+    pieces: dict[int, list[tuple[int, int, Any]]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    ordinal_group: dict[int, int] = {}
+    for path, client in zip(files, clients):
+        for pid, held in client["state"].items():
+            for ordinal, (shape, start, numel) in held[PLACES].items():
+                pieces.setdefault(ordinal, []).append((start, numel, held[PIECES][ordinal]))
+                shapes[ordinal] = tuple(shape)
+                ordinal_group[ordinal] = group_of[pid]
+    state = {}
+    for ordinal in sorted(pieces):
+        group = groups[ordinal_group[ordinal]]
+        state[ordinal] = join_piece_states(pieces[ordinal], shapes[ordinal], group, torch.float32,
+                                           f"{found}: parameter {ordinal}")
+    sizes = first.get(GIVEN_GROUPS) or _sizes_from_ordinals(ordinal_group, len(groups))
+    param_groups, place = [], 0
+    for group, size in zip(groups, sizes):
+        param_groups.append({**group, "params": list(range(place, place + size))})
+        place += size
+    return {"state": state, "param_groups": param_groups}
+
+
+def _client_state(path: Path) -> dict[str, Any]:
+    """One rank's ``SMMF.state_dict()`` in a ZeRO checkpoint, checked to be SMMF's pieces."""
+    saved = _load(path).get("optimizer_state_dict", {})
+    client = saved.get("base_optimizer_state") or saved.get("optimizer_state_dict")  # ZeRO-1/2, ZeRO-3
+    if not isinstance(client, dict) or not {"state", "param_groups"} <= set(client):
+        raise ValueError(f"{path} holds no optimizer state dict of the client optimizer (an elastic checkpoint of "
+                         "ZeRO-1/2, which SMMF refuses, or not a DeepSpeed ZeRO checkpoint)")
+    for held in client["state"].values():
+        if not (isinstance(held, dict) and {PIECES, PLACES} <= set(held)):
+            keys = sorted(held) if isinstance(held, dict) else type(held).__name__
+            raise ValueError(f"{path} holds another optimizer's state (keys {keys}), not SMMF's pieces of the "
+                             "model's tensors")
+    return client
+
+
+def _sizes_from_ordinals(ordinal_group: dict[int, int], groups: int) -> list[int]:
+    """Each group's count of params from the ordinals its pieces name, for a checkpoint saved before SMMF saved the
+    counts: up to its last stepped param (a frozen param after it is counted in the next group)."""
+    ends = [0] * groups
+    for ordinal, group in ordinal_group.items():
+        ends[group] = max(ends[group], ordinal + 1)
+    for index in range(1, groups):
+        ends[index] = max(ends[index], ends[index - 1])
+    return [end - start for start, end in zip([0] + ends[:-1], ends)]
+
+
+def load_state(engine: Any, state_dict: dict[str, Any]) -> None:
+    """Load a plain SMMF state dict of the model's params (:func:`tensorwise_state`'s, or a single-process or FSDP2
+    run's full one) into the SMMF that DeepSpeed ``engine`` steps under ZeRO, at any number of ranks and stage:
+    each rank cuts its pieces from it. Every rank calls it (the buffers' pieces are gathered at first sight). Load
+    the weights before (``deepspeed.initialize`` of a model holding them): ZeRO's fp32 masters are made from
+    them."""
+    zero = engine.optimizer
+    client = getattr(zero, "optimizer", None)
+    if client is None or not hasattr(client, "_given"):
+        raise ValueError("load_state loads SMMF's state into a DeepSpeed engine whose client optimizer is SMMF")
+    stage3 = hasattr(zero, "_set_fp32_optimizer_param_groups")  # ZeRO-3 puts its buffers in the groups to load
+    if stage3:
+        zero._set_fp32_optimizer_param_groups()
+    try:
+        client.load_state_dict(state_dict)
+    finally:
+        if stage3:
+            zero._clear_fp32_optimizer_param_groups()
+

@@ -20,11 +20,15 @@ from torch import Tensor
 from .dispatch import Route, RouteWhere, bump_versions
 from .engine import Engine, EngineStep
 from .optimizer import SMMF
+from . import options as registry
 from .options import StepConfigs
-from .partitions import Partition, check_loaded_pieces, check_pieces, init_pieces, piece_layout, step_partition_
+from .partitions import (Partition, check_loaded_pieces, check_pieces, cut_piece_state, init_pieces, piece_layout,
+                         step_partition_)
+from .codes import BIT_FIELDS
 from .schema import PIECES, PLACES
-from .state import STEP
-from .zero import find_partition, is_deepspeed_buffer
+from .sharding import bits_from_checkpoint, local
+from .state import STEP, check_loaded_values, state_layout
+from .zero import GIVEN_GROUPS, find_partition, is_deepspeed_buffer
 from .zero import stepping_to_make_state as stepping_to_make_state
 
 __all__ = ["ZeroEngine", "engine_for", "holds_buffers", "stepping_to_make_state"]
@@ -71,6 +75,16 @@ class _BufferStep:
             return
         for state in self.before[PIECES].values():  # its pieces' counts, which its step advanced first
             state[STEP] = self.counts[id(state)]
+
+
+def _bits_flat(whole: Any, shape: tuple[int, ...]) -> Any:
+    """A tensor's state with its packed bits as one run keeps them (flat), from the layout by rows of the param of
+    an FSDP2 run's full state dict (:func:`smmf.sharding.bits_for_checkpoint`) where they are saved so."""
+    if not isinstance(whole, dict):
+        return whole
+    shaped = torch.empty(()).expand(shape)  # the shape alone, on the CPU
+    return {key: bits_from_checkpoint(local(value), shaped) if key in BIT_FIELDS and isinstance(value, Tensor)
+            and value.dim() == 2 else value for key, value in whole.items()}
 
 
 class ZeroEngine(Engine):
@@ -182,3 +196,70 @@ class ZeroEngine(Engine):
 
     def loaded(self, tensors: list[Tensor]) -> None:
         self._note_groups(tensors)
+
+    def saved_extras(self) -> dict[str, Any]:
+        """How many params each group was given (frozen ones too): what :func:`smmf.zero.tensorwise_state` needs
+        to lay out a plain SMMF's groups from the pieces, which list only the params ZeRO steps."""
+        return {GIVEN_GROUPS: list(self.optimizer._given.group_sizes)} if holds_buffers(self.optimizer) else {}
+
+    def tensorwise_to_own(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A plain SMMF's state dict of the model's params (its ids their places over the groups, as the ordinals
+        of ZeRO's pieces are) as this rank's buffers' states, each piece cut from its tensor's state
+        (:func:`smmf.partitions.cut_piece_state`): a run saved at any number of ranks, in one process or under
+        FSDP2 continues under ZeRO. A collective where a buffer is seen first (its pieces are gathered)."""
+        states, saved_groups = state_dict.get("state"), state_dict.get("param_groups")
+        if not (holds_buffers(self.optimizer) and isinstance(states, dict) and isinstance(saved_groups, list)):
+            return state_dict
+        if any(isinstance(saved, dict) and PIECES in saved for saved in states.values()):
+            return state_dict  # ZeRO's own
+        groups = self.groups(self.optimizer.param_groups)
+        if not states and [len(saved.get("params", ())) for saved in saved_groups] == [len(g["params"]) for g in groups]:
+            return state_dict
+        if len(saved_groups) != len(groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer has "
+                             f"{len(groups)}")
+        for index, saved in enumerate(saved_groups):
+            missing = sorted(set(registry.names(optional=False)) - set(saved))
+            if missing:
+                raise ValueError(f"loaded parameter group {index} does not hold SMMF's options (lacks {missing}): is "
+                                 "it another optimizer's state dict?")
+        ids = [pid for saved in saved_groups for pid in saved.get("params", ())]
+        given = self.optimizer._given.group_sizes
+        if [len(saved.get("params", ())) for saved in saved_groups] != given:
+            raise ValueError(f"the loaded state dict's groups list {[len(s.get('params', ())) for s in saved_groups]} "
+                             f"parameters, and this optimizer was given {given}: a tensor-wise state continues under "
+                             "ZeRO with the same parameters in the same groups")
+        unknown = sorted(set(states) - set(ids), key=str)
+        if unknown:
+            raise ValueError(f"loaded state dict has state for parameters {unknown} that no group lists")
+        by_ordinal = {ordinal: states[pid] for ordinal, pid in enumerate(ids) if pid in states}
+        own_states: dict[int, Any] = {}
+        own_groups, index = [], 0
+        for group, saved in zip(groups, saved_groups):
+            options = {**group, **{key: value for key, value in saved.items() if key != "params"}}
+            own_groups.append({**saved, "params": list(range(index, index + len(group["params"])))})
+            for buffer in group["params"]:
+                partition = self._partition_of(buffer)
+                if partition is None:
+                    raise ValueError("a tensor-wise SMMF state loads under DeepSpeed ZeRO into groups of ZeRO's flat "
+                                     "buffers only")
+                held = [piece for piece in partition.pieces if piece.ordinal in by_ordinal]
+                if held and len(held) != len(partition.pieces):
+                    absent = sorted(p.ordinal for p in partition.pieces if p.ordinal not in by_ordinal)
+                    raise ValueError(f"the loaded state dict holds the state of some of the parameters this rank's "
+                                     f"ZeRO buffer steps and not of parameters {absent}")
+                if held:
+                    own_states[index] = self._cut(partition, options, buffer.dtype, by_ordinal)
+                index += 1
+        return {**state_dict, "state": own_states, "param_groups": own_groups}
+
+    @staticmethod
+    def _cut(partition: Partition, options: dict[str, Any], dtype: torch.dtype,
+             by_ordinal: dict[int, Any]) -> dict[str, Any]:
+        pieces = {}
+        for piece in partition.pieces:
+            whole = _bits_flat(by_ordinal[piece.ordinal], piece.shape)
+            layout = state_layout(torch.empty(piece.shape, dtype=dtype, device="meta"), options)
+            check_loaded_values(layout, whole, f"parameter {piece.ordinal}", f"a parameter of shape {piece.shape}")
+            pieces[piece.ordinal] = cut_piece_state(whole, piece, options, dtype)
+        return {PIECES: pieces, PLACES: {piece.ordinal: piece.place for piece in partition.pieces}}

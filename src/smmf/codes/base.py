@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Generator, Optional, Protocol
+from typing import Any, ClassVar, Generator, Optional, Protocol, Sequence
 
+import torch
 from torch import Tensor
 
 from ..band import Band
-from ..matrix import packed_sign_bytes
+from ..matrix import pack_signs, packed_sign_bytes, unpack_signs
 from ..schema import COL_V, ROW_V, MomentumCode, StateField, TensorSpec
 
-__all__ = ["BandRounds", "Code", "StepNumbers", "V_FIELDS"]
+__all__ = ["BandRounds", "Code", "PieceState", "StepNumbers", "V_FIELDS"]
 
 # V's rank-1 factors in its square view: every factored code keeps them, after M's.
 V_FIELDS = (StateField(ROW_V, lambda d: (d.rows,), "factor"), StateField(COL_V, lambda d: (d.cols,), "factor"))
@@ -19,6 +20,9 @@ V_FIELDS = (StateField(ROW_V, lambda d: (d.rows,), "factor"), StateField(COL_V, 
 # across the ranks holding the matrix, is sent their sums, stores what they make and returns the band's owned
 # elements' direction M / (√V + ε), flat.
 BandRounds = Generator[list[Tensor], list[Tensor], Tensor]
+
+# A piece's state with its place: the elements ``start .. start + numel`` of the param's row-major flattening.
+PieceState = tuple[int, int, dict[str, Any]]
 
 
 class StepNumbers(Protocol):
@@ -56,7 +60,8 @@ class Code:
       ``flag_passes``: the shard takes the magnitude flag's two passes instead (:class:`smmf.kernels.FlagPass`).
 
     Its methods are its torch path (:meth:`elementwise_direction`, :meth:`torch_m`, :meth:`band_rounds`), the sizes of the sums its pieces add up
-    across ranks (:meth:`round_sizes`) and a piece's state (:meth:`piece_layout`).
+    across ranks (:meth:`round_sizes`) and a piece's state (:meth:`piece_layout`), which :meth:`cut` makes from
+    the whole param's and :meth:`join` puts back together.
     """
 
     member: ClassVar[MomentumCode]
@@ -97,3 +102,27 @@ class Code:
             if field.bits and field.key in layout:
                 layout[field.key] = TensorSpec((packed_sign_bytes(numel),), layout[field.key].dtype)
         return layout
+
+    def cut(self, whole: dict[str, Any], shape: tuple[int, ...], start: int, numel: int) -> dict[str, Any]:
+        """The state of the piece ``start .. start + numel`` of a param of ``shape`` whose whole state is ``whole``
+        (tensors only), laid out as :meth:`piece_layout` lays it out: what a rank holding that piece keeps."""
+        return {key: self._cut_own(key, shape, value, start, numel) if self._own(key) else value.clone()
+                for key, value in whole.items()}
+
+    def join(self, pieces: Sequence[PieceState], shape: tuple[int, ...], layout: dict[str, TensorSpec]) -> dict[str, Any]:
+        """The whole state (``layout``: the param's) from the states of ``pieces`` that tile the param in order:
+        the inverse of :meth:`cut`. A field that is not the elements' own (a factor) is the same in every piece of
+        a tensor stepped across ranks: the first piece's is taken."""
+        return {key: self._join_own(key, shape, pieces, spec) if self._own(key) else pieces[0][2][key].clone()
+                for key, spec in layout.items()}
+
+    def _own(self, key: str) -> bool:
+        return next(field.own for field in self.fields if field.key == key)
+
+    def _cut_own(self, key: str, shape: tuple[int, ...], value: Tensor, start: int, numel: int) -> Tensor:
+        """A field of one packed bit per element (:func:`smmf.matrix.pack_signs`), from the piece's first."""
+        return pack_signs(unpack_signs(value, start + numel)[start:])
+
+    def _join_own(self, key: str, shape: tuple[int, ...], pieces: Sequence[PieceState], spec: TensorSpec) -> Tensor:
+        return pack_signs(torch.cat([unpack_signs(state[key], numel) for _, numel, state in pieces])).view(spec.shape)
+

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+import torch
 from torch import Tensor
 
 from ..schema import EXP_AVG, EXP_AVG_SQ, MomentumCode, StateField, TensorSpec
-from .base import Code, StepNumbers
+from .base import Code, PieceState, StepNumbers
 
 __all__ = ["DENSE"]
 
@@ -37,6 +38,12 @@ class Dense(Code):
     def piece_layout(self, layout: dict[str, TensorSpec], shape: tuple[int, ...], start: int,
                      numel: int) -> dict[str, TensorSpec]:
         return {key: TensorSpec((numel,), spec.dtype) for key, spec in layout.items()}
+
+    def _cut_own(self, key: str, shape: tuple[int, ...], value: Tensor, start: int, numel: int) -> Tensor:
+        return value.reshape(-1)[start:start + numel].clone()
+
+    def _join_own(self, key: str, shape: tuple[int, ...], pieces: Sequence[PieceState], spec: TensorSpec) -> Tensor:
+        return torch.cat([state[key].reshape(-1) for _, _, state in pieces]).view(spec.shape)
 
 
 DENSE = Dense()

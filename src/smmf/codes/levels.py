@@ -7,16 +7,17 @@ is by rows of the param: an FSDP2 shard holds whole rows, and a piece that cuts 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from ..band import Band
-from ..levels import block_span, codes_shape, decode_levels, encode_levels, piece_codes_shape, scales_shape
+from ..levels import (block_span, codes_of_elements, codes_shape, decode_levels, encode_levels, levels_shape,
+                      packed_codes, piece_codes_shape, scales_shape)
 from ..matrix import store_factors_
 from ..schema import CODES_M, COL_V, ROW_V, SCALES_M, MomentumCode, StateField, TensorSpec
-from .base import V_FIELDS, BandRounds, Code, StepNumbers
+from .base import V_FIELDS, BandRounds, Code, PieceState, StepNumbers
 
 __all__ = ["LEVELS", "levels_update_"]
 
@@ -50,6 +51,27 @@ class Levels(Code):
         layout[CODES_M] = TensorSpec(piece_codes_shape(numel), torch.uint8)
         layout[SCALES_M] = TensorSpec((last - first + 1,), torch.bfloat16)
         return layout
+
+    def _cut_own(self, key: str, shape: tuple[int, ...], value: Tensor, start: int, numel: int) -> Tensor:
+        if key == SCALES_M:  # the blocks the piece touches, counted over the param row by row
+            first, last = block_span(shape, math.prod(shape), start, numel)
+            return value.reshape(-1)[first:last + 1].clone()
+        rows, cols = levels_shape(shape, math.prod(shape))
+        code = codes_of_elements(value, value.numel() * 2).view(rows, -1)[:, :cols]
+        return packed_codes(code.reshape(-1)[start:start + numel])
+
+    def _join_own(self, key: str, shape: tuple[int, ...], pieces: Sequence[PieceState], spec: TensorSpec) -> Tensor:
+        numel = math.prod(shape)
+        if key == SCALES_M:  # a block two pieces cut has the same scale in both (the largest |M| over the ranks)
+            scales = torch.zeros(math.prod(spec.shape), dtype=spec.dtype)
+            for start, count, state in pieces:
+                first, last = block_span(shape, numel, start, count)
+                scales[first:last + 1] = state[key].cpu()
+            return scales.view(spec.shape).to(pieces[0][2][key].device)
+        rows, cols = levels_shape(shape, numel)
+        code = torch.cat([codes_of_elements(state[key], count) for _, count, state in pieces]).view(rows, cols)
+        code = torch.nn.functional.pad(code, (0, cols % 2))  # each row's codes from its first element, as whole
+        return code[:, 0::2] | (code[:, 1::2] << 4)
 
 
 LEVELS = Levels()
