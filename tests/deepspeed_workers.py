@@ -68,6 +68,10 @@ def single_process(options: dict[str, Any], world: int, accumulation: int = 1, c
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+    if save is not None:
+        save.mkdir(parents=True, exist_ok=True)
+        torch.save([p.detach().clone() for p in model.parameters()], save / "weights.pt")
+        torch.save(optimizer.state_dict(), save / "plain.pt")
     return [p.detach().clone() for p in model.parameters()], start
 
 
@@ -399,9 +403,10 @@ def global_batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor
 
 
 def one_process(options: dict[str, Any], steps: range, weights: Optional[list[torch.Tensor]] = None,
-                state: Optional[dict[str, Any]] = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                state: Optional[dict[str, Any]] = None, save: Optional[Path] = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``steps`` of the global batches in one process, from ``weights`` and an SMMF ``state`` (a fresh model's
-    and none by default): the params after, and before."""
+    and none by default): the params after, and before; with ``save``, the weights and the optimizer's state dict
+    after are written there (``weights.pt``, ``plain.pt``)."""
     from smmf import SMMF
 
     model = make_model()
@@ -417,6 +422,10 @@ def one_process(options: dict[str, Any], steps: range, weights: Optional[list[to
         optimizer.zero_grad()
         loss_fn(model, *global_batch(step)).backward()
         optimizer.step()
+    if save is not None:
+        save.mkdir(parents=True, exist_ok=True)
+        torch.save([p.detach().clone() for p in model.parameters()], save / "weights.pt")
+        torch.save(optimizer.state_dict(), save / "plain.pt")
     return [p.detach().clone() for p in model.parameters()], start
 
 

@@ -262,9 +262,10 @@ TRAVEL_CODES = (("paper", {}), ("recommended", RECOMMENDED), ("flag", dict(magni
 def test_checkpoints_travel_between_zero_stages_world_sizes_one_process_and_fsdp2(tmp_path, one_thread) -> None:
     """Saved at 2 ranks under ZeRO-1, 2 and 3 after 3 steps, each code: ``smmf.zero.tensorwise_state`` joins the
     ranks' pieces offline into a plain SMMF state dict, which continues the run for 3 more steps in one process
-    (``SMMF.load_state_dict``), under ZeRO at 1 and 3 ranks (``smmf.zero.load_state``, each rank cutting its
+    (``SMMF.load_state_dict``), under ZeRO at 1, 2 and 3 ranks (``smmf.zero.load_state``, each rank cutting its
     pieces) and under FSDP2 at 3 ranks (``load_state_dict``, each rank taking its rows); and an FSDP2 run saved at 2
-    ranks (its full optimizer state dict) continues under ZeRO-1, 2 and 3 at 3 ranks. Every run takes the same
+    ranks (its full optimizer state dict) and a run of 3 steps in one process continue under ZeRO-1, 2 and 3 at 3
+    ranks. Every run takes the same
     global batches: each ends within float noise of the uninterrupted run in one process (over the tensor's update
     in the 6 steps). A tensor-wise state of another code of M, of another model or of another optimizer is refused
     under ZeRO, with SMMF's state and the masters as they were."""
@@ -272,16 +273,21 @@ def test_checkpoints_travel_between_zero_stages_world_sizes_one_process_and_fsdp
     fsdp2 = [(f"fsdp2-{name}", options, {}) for name, options in TRAVEL_CODES]
     from_fsdp2 = [(f"fsdp2-{name}-to-stage{stage}", options, dict(stage=stage, folder=f"fsdp2-{name}"))
                   for stage in (1, 2, 3) for name, options in TRAVEL_CODES]
+    from_one = [(f"one-{name}-to-stage{stage}", options, dict(stage=stage, folder=f"one-{name}"))
+                for stage in (1, 2, 3) for name, options in TRAVEL_CODES]
     _battery(tmp_path, 2, [("travel_save", cases), ("travel_fsdp2_save", fsdp2)])
     gaps: dict[str, dict[str, float]] = {}
     references = {name: workers.one_process(options, range(6)) for name, options in TRAVEL_CODES}
+    for name, options in TRAVEL_CODES:  # a run of 3 steps in one process, to continue under ZeRO
+        workers.one_process(options, range(3), save=tmp_path / f"one-{name}")
     for name, options, _ in cases:
         plain = smmf.zero.tensorwise_state(tmp_path / name)  # the tag from 'latest'
         torch.save(plain, tmp_path / name / "plain.pt")
         continued, _ = workers.one_process(options, range(3, 6), torch.load(tmp_path / name / "weights.pt"), plain)
         gaps[name] = {"1 process": _gap(continued, *references[name.split("-")[1]])}
-    for world in (1, 3):
-        jobs = [("travel_resume", cases + (from_fsdp2 if world == 3 else []))] + ([("travel_fsdp2", cases)] if world == 3 else [])
+    for world in (1, 2, 3):
+        jobs = [("travel_resume", cases + (from_fsdp2 + from_one if world == 3 else []))] + \
+            ([("travel_fsdp2", cases)] if world == 3 else [])
         refusals = [(f"stage{stage}-paper", {}, dict(stage=stage, own=f"stage{stage}-paper",
                                                     other_code=f"stage{stage}-recommended")) for stage in (1, 3)]
         results = _battery(tmp_path, world, jobs + ([("travel_refusals", refusals)] if world == 1 else []))
