@@ -68,10 +68,6 @@ def single_process(options: dict[str, Any], world: int, accumulation: int = 1, c
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
-    if save is not None:
-        save.mkdir(parents=True, exist_ok=True)
-        torch.save([p.detach().clone() for p in model.parameters()], save / "weights.pt")
-        torch.save(optimizer.state_dict(), save / "plain.pt")
     return [p.detach().clone() for p in model.parameters()], start
 
 
@@ -402,19 +398,40 @@ def global_batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor
     return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
 
 
+def _travelling_params(model: nn.Module, grouped: bool) -> Any:
+    """SMMF's params: the model's; ``grouped``: in two groups, the first layer frozen but given to SMMF."""
+    if not grouped:
+        return model.parameters()
+    model.fc1.requires_grad_(False)
+    return _two_groups(model)
+
+
+def _load_weights(model: nn.Module, weights: Optional[list[torch.Tensor]]) -> None:
+    """``weights`` into the model's params (the trainable ones where it holds fewer: the frozen keep their
+    initial values, which a run does not change)."""
+    if weights is None:
+        return
+    params = list(model.parameters())
+    if len(weights) < len(params):
+        params = [p for p in params if p.requires_grad]
+    assert len(weights) == len(params)
+    with torch.no_grad():
+        for param, weight in zip(params, weights):
+            param.copy_(weight)
+
+
 def one_process(options: dict[str, Any], steps: range, weights: Optional[list[torch.Tensor]] = None,
-                state: Optional[dict[str, Any]] = None, save: Optional[Path] = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                state: Optional[dict[str, Any]] = None, save: Optional[Path] = None,
+                grouped: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``steps`` of the global batches in one process, from ``weights`` and an SMMF ``state`` (a fresh model's
     and none by default): the params after, and before; with ``save``, the weights and the optimizer's state dict
     after are written there (``weights.pt``, ``plain.pt``)."""
     from smmf import SMMF
 
     model = make_model()
-    if weights is not None:
-        with torch.no_grad():
-            for param, weight in zip(model.parameters(), weights):
-                param.copy_(weight)
-    optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+    params = _travelling_params(model, grouped)
+    _load_weights(model, weights)
+    optimizer = SMMF(params, lr=LR, weight_decay=WEIGHT_DECAY, **options)
     if state is not None:
         optimizer.load_state_dict(state)
     start = [p.detach().clone() for p in model.parameters()]
@@ -429,19 +446,18 @@ def one_process(options: dict[str, Any], steps: range, weights: Optional[list[to
     return [p.detach().clone() for p in model.parameters()], start
 
 
-def _travelling_engine(options: dict[str, Any], world: int, stage: int, weights: Optional[list[torch.Tensor]] = None):
+def _travelling_engine(options: dict[str, Any], world: int, stage: int, weights: Optional[list[torch.Tensor]] = None,
+                       grouped: bool = False):
     import deepspeed
 
     from smmf import SMMF
 
     model = make_model()
-    if weights is not None:
-        with torch.no_grad():
-            for param, weight in zip(model.parameters(), weights):
-                param.copy_(weight)
+    params = _travelling_params(model, grouped)
+    _load_weights(model, weights)
     settings = config(stage, world)
     settings.update(train_micro_batch_size_per_gpu=GLOBAL // world, train_batch_size=GLOBAL)
-    optimizer = SMMF(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+    optimizer = SMMF(params, lr=LR, weight_decay=WEIGHT_DECAY, **options)
     with redirect_stdout(sys.stderr):
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=settings)
     return engine
@@ -458,7 +474,7 @@ def travel_save(rank: int, world: int, out: Path, cases: list[Case]) -> dict[str
     """Each case trained 3 steps and saved by ``engine.save_checkpoint`` into ``out/<name>`` (tag ``step3``), with
     its full params beside (``weights.pt``)."""
     for name, options, settings in cases:
-        engine = _travelling_engine(options, world, settings["stage"])
+        engine = _travelling_engine(options, world, settings["stage"], grouped=settings.get("grouped", False))
         _travel(engine, range(3), rank, world)
         with redirect_stdout(sys.stderr):
             engine.save_checkpoint(str(out / name), tag="step3")
@@ -477,7 +493,8 @@ def travel_resume(rank: int, world: int, out: Path, cases: list[Case]) -> dict[s
     results = {}
     for name, options, settings in cases:
         folder = out / settings.get("folder", name)
-        engine = _travelling_engine(options, world, settings["stage"], torch.load(folder / "weights.pt"))
+        engine = _travelling_engine(options, world, settings["stage"], torch.load(folder / "weights.pt"),
+                                    settings.get("grouped", False))
         smmf.zero.load_state(engine, torch.load(folder / "plain.pt", weights_only=False))
         _travel(engine, range(3, 6), rank, world)
         results[name] = full_params(engine)

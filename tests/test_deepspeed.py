@@ -267,26 +267,34 @@ def test_checkpoints_travel_between_zero_stages_world_sizes_one_process_and_fsdp
     ranks (its full optimizer state dict) and a run of 3 steps in one process continue under ZeRO-1, 2 and 3 at 3
     ranks. Every run takes the same
     global batches: each ends within float noise of the uninterrupted run in one process (over the tensor's update
-    in the 6 steps). A tensor-wise state of another code of M, of another model or of another optimizer is refused
+    in the 6 steps); so do runs whose SMMF holds two groups and a frozen layer (ZeRO-2 and 3). A tensor-wise state of another code of M, of another model or of another optimizer is refused
     under ZeRO, with SMMF's state and the masters as they were."""
     cases = [(f"stage{stage}-{name}", options, dict(stage=stage)) for stage in (1, 2, 3) for name, options in TRAVEL_CODES]
+    grouped = [(f"stage{stage}-paper-grouped", {}, dict(stage=stage, grouped=True)) for stage in (2, 3)]
     fsdp2 = [(f"fsdp2-{name}", options, {}) for name, options in TRAVEL_CODES]
     from_fsdp2 = [(f"fsdp2-{name}-to-stage{stage}", options, dict(stage=stage, folder=f"fsdp2-{name}"))
                   for stage in (1, 2, 3) for name, options in TRAVEL_CODES]
     from_one = [(f"one-{name}-to-stage{stage}", options, dict(stage=stage, folder=f"one-{name}"))
                 for stage in (1, 2, 3) for name, options in TRAVEL_CODES]
-    _battery(tmp_path, 2, [("travel_save", cases), ("travel_fsdp2_save", fsdp2)])
+    _battery(tmp_path, 2, [("travel_save", cases + grouped), ("travel_fsdp2_save", fsdp2)])
     gaps: dict[str, dict[str, float]] = {}
     references = {name: workers.one_process(options, range(6)) for name, options in TRAVEL_CODES}
     for name, options in TRAVEL_CODES:  # a run of 3 steps in one process, to continue under ZeRO
         workers.one_process(options, range(3), save=tmp_path / f"one-{name}")
-    for name, options, _ in cases:
+    # Two groups, the first layer frozen but given to SMMF: the groups' counts (frozen params too) travel.
+    references["paper-grouped"] = workers.one_process({}, range(6), grouped=True)
+    for name, options, settings in cases + grouped:
         plain = smmf.zero.tensorwise_state(tmp_path / name)  # the tag from 'latest'
         torch.save(plain, tmp_path / name / "plain.pt")
-        continued, _ = workers.one_process(options, range(3, 6), torch.load(tmp_path / name / "weights.pt"), plain)
-        gaps[name] = {"1 process": _gap(continued, *references[name.split("-")[1]])}
+        continued, _ = workers.one_process(options, range(3, 6), torch.load(tmp_path / name / "weights.pt"), plain,
+                                           grouped=settings.get("grouped", False))
+        expected, start = references[name.split("-", 1)[1]]
+        if settings.get("grouped"):  # the frozen layer as it was, the rest within noise
+            assert all(torch.equal(a, b) for a, b in zip(continued[:2], start[:2])), name
+            continued, expected, start = continued[2:], expected[2:], start[2:]
+        gaps[name] = {"1 process": _gap(continued, expected, start)}
     for world in (1, 2, 3):
-        jobs = [("travel_resume", cases + (from_fsdp2 + from_one if world == 3 else []))] + \
+        jobs = [("travel_resume", cases + grouped + (from_fsdp2 + from_one if world == 3 else []))] + \
             ([("travel_fsdp2", cases)] if world == 3 else [])
         refusals = [(f"stage{stage}-paper", {}, dict(stage=stage, own=f"stage{stage}-paper",
                                                     other_code=f"stage{stage}-recommended")) for stage in (1, 3)]
@@ -301,10 +309,19 @@ def test_checkpoints_travel_between_zero_stages_world_sizes_one_process_and_fsdp
             assert "another optimizer's state dict" in offers["Adam"]["error"], offers
         for job, label in (("travel_resume", f"ZeRO at {world}"), ("travel_fsdp2", f"FSDP2 at {world}")):
             for name, params in results.get(job, {}).items():
-                gaps.setdefault(name, {})[label] = _gap(params, *references[name.split("-")[1]])
+                code = name.split("-", 1)[1] if name.endswith("grouped") else name.split("-")[1]
+                expected, start = references[code]
+                if name.endswith("grouped"):  # DeepSpeed's full params are the trainable ones: not fc1's two
+                    expected, start = expected[2:], start[2:]
+                assert len(params) == len(expected), name
+                gaps.setdefault(name, {})[label] = _gap(params, expected, start)
     print("\nsaved at 2 ranks, continued elsewhere: largest difference from one uninterrupted process, over the update")
     for name, row in gaps.items():
         print(f"{name}: " + ", ".join(f"{where} {gap:.1e}" for where, gap in row.items()))
+    zero = ["1 process", "ZeRO at 1", "ZeRO at 2", "ZeRO at 3"]
+    assert all(list(gaps[name]) == zero + ["FSDP2 at 3"] for name, *_ in cases), gaps
+    assert all(list(gaps[name]) == zero for name, *_ in grouped), gaps
+    assert all(list(gaps[name]) == ["ZeRO at 3"] for name, *_ in from_fsdp2 + from_one), gaps
     for name, row in gaps.items():
         assert max(row.values()) < UPDATE_TOLERANCE, (name, row)
 

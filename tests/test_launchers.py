@@ -201,5 +201,7 @@ def test_the_zero_checkpoint_of_the_deepspeed_example_continues_in_one_process_a
             done = subprocess.run([*cmd, str(saved["out"]), "--params", str(tmp_path / f"{name}.pt")], cwd=ROOT,
                                   env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        for got, straight in zip(torch.load(tmp_path / f"{name}.pt"), saved["straight"]):
+        continued = torch.load(tmp_path / f"{name}.pt")
+        assert len(continued) == len(saved["straight"]) == 4
+        for got, straight in zip(continued, saved["straight"]):
             assert (got - straight).abs().max() <= 1e-6 * straight.abs().max(), name

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from helpers import FUSED_BACKENDS, updates_close
+from smmf.codes import BIT_FIELDS
 from smmf.functional import StepConfig, torch_step_
+from smmf.matrix import unpack_signs
 from smmf.levels import piece_blocks
 from smmf.partitions import PIECES, PLACES, CutTensor, Partition, Piece, check_pieces, exchange, init_pieces, piece_layout
 from smmf.shards import levels_piece_rounds, run_rounds
@@ -135,6 +137,8 @@ def test_a_tensors_state_cut_into_pieces_joins_back_whole_bit_for_bit(case: str)
         layout = piece_layout(piece, group, torch.float32)
         assert set(state) == set(layout) | {STEP} and state[STEP] == 3
         assert all(tuple(state[key].shape) == spec.shape and state[key].dtype == spec.dtype for key, spec in layout.items())
+        for key in BIT_FIELDS & state.keys():  # each element's bit, read back from the flat packing directly
+            assert torch.equal(unpack_signs(state[key], end - start), unpack_signs(whole[key], numel)[start:end]), key
         pieces.append((start, end - start, state))
     joined = join_piece_states(pieces[::-1], shape, group, torch.float32, "a test")  # in any order
     assert joined.keys() == whole.keys() and joined[STEP] == 3

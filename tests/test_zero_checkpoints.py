@@ -82,7 +82,7 @@ def _smmf_state_after_steps(shapes, steps: int = 2, **options):
     return optimizer
 
 
-def _zero_folder(folder: Path, optimizer, cuts: list[int], frozen_first: bool = False) -> Path:
+def _zero_folder(folder: Path, optimizer, cuts: list[int], frozen_first: bool = False, counts: bool = True) -> Path:
     """Stand-ins for the optimizer-state files of a ZeRO-2 checkpoint at ``len(cuts) - 1`` ranks: the params of
     ``optimizer``'s one group laid end to end in one flat buffer, cut at ``cuts`` (elements of that buffer), each
     rank's client state dict holding its pieces as SMMF's ZeRO engine keeps them."""
@@ -93,6 +93,7 @@ def _zero_folder(folder: Path, optimizer, cuts: list[int], frozen_first: bool = 
     params, first = group["params"], int(frozen_first)
     (folder / "global_step2").mkdir(parents=True)
     (folder / "latest").write_text("global_step2")
+    torch.save({"dp_world_size": len(cuts) - 1}, folder / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     starts = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
     for rank, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
         pieces, places = {}, {}
@@ -104,7 +105,7 @@ def _zero_folder(folder: Path, optimizer, cuts: list[int], frozen_first: bool = 
                 places[piece.ordinal] = piece.place
         options = {key: value for key, value in group.items() if key != "params"}
         client = {"state": {0: {"pieces": pieces, "places": places}}, "param_groups": [{**options, "params": [0]}],
-                  GIVEN_GROUPS: [len(params) + first]}
+                  **({GIVEN_GROUPS: [len(params) + first]} if counts else {})}
         torch.save({"optimizer_state_dict": {"base_optimizer_state": client}},
                    folder / "global_step2" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     return folder
@@ -131,6 +132,10 @@ def test_tensorwise_state_joins_the_ranks_pieces_into_the_plain_state(tmp_path: 
         got = joined["state"][pid + 1]
         assert got.keys() == state.keys() and got["step"] == state["step"]
         assert all(torch.equal(got[key], value) for key, value in state.items() if isinstance(value, torch.Tensor))
+    older = _zero_folder(tmp_path / "older", optimizer, [0, 1000 + 3, total - 250, total], frozen_first=True,
+                         counts=False)  # saved before the counts were: a frozen param first still counts
+    with pytest.warns(UserWarning, match="does not record how many params each group was given"):
+        assert tensorwise_state(older)["param_groups"][0]["params"] == [0, 1, 2, 3]
     assert main(["zero-to-plain", str(folder), str(tmp_path / "plain.pt")]) == 0
     written = torch.load(tmp_path / "plain.pt", weights_only=False)
     assert all(torch.equal(written["state"][3][key], value) for key, value in joined["state"][3].items()
@@ -145,8 +150,23 @@ def test_tensorwise_state_refuses_missing_ranks_other_optimizers_and_folders_wit
     optimizer = _smmf_state_after_steps([(37, 129)])
     folder = _zero_folder(tmp_path / "smmf", optimizer, [0, 2000, 37 * 129])
     (folder / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(ValueError, match=r"files of ranks \[0\], and was saved at 2 ranks: are the files of some"):
+        tensorwise_state(folder)
+    (folder / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").unlink()  # the count unknown
     with pytest.raises(ValueError, match="do not tile it: are the files of some ranks missing"):
         tensorwise_state(folder)
+    other = _smmf_state_after_steps([(37, 129)])
+    other_run = _zero_folder(tmp_path / "mixed", other, [0, 2000, 37 * 129])
+    mixed = other_run / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    saved = torch.load(mixed, weights_only=False)
+    saved["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["pieces"][0]["row_v"].mul_(2)
+    torch.save(saved, mixed)
+    with pytest.raises(ValueError, match="disagree on its 'row_v'"):
+        tensorwise_state(other_run)
+    saved["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["pieces"][0]["sign_m"] = torch.zeros(3, dtype=torch.uint8)
+    torch.save(saved, mixed)
+    with pytest.raises(ValueError, match="state 'sign_m' has shape"):
+        tensorwise_state(other_run)
     adam = tmp_path / "adam" / "t"
     adam.mkdir(parents=True)
     state = {"state": {0: {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3), "step": torch.tensor(1.0)}},

@@ -96,8 +96,9 @@ class Engine:
             raise ValueError(
                 f"the loaded state dict holds the SMMF state of DeepSpeed ZeRO partitions (one rank's pieces of the "
                 f"model's tensors under a flat buffer per group, '{PIECES}' by tensor), and this optimizer steps "
-                "the model's own parameters. Load it where it was saved: engine.load_checkpoint under DeepSpeed, "
-                "with the same ZeRO stage and number of ranks")
+                "the model's own parameters. Load it where it was saved (engine.load_checkpoint under DeepSpeed, "
+                "with the same ZeRO stage and number of ranks), or join the ranks' pieces into this optimizer's "
+                "form with smmf.zero.tensorwise_state (`smmf zero-to-plain`)")
 
     def check_loaded(self, tensor: Tensor, options: dict[str, Any], saved: Any, where: str) -> None:
         """Raise ``ValueError`` unless ``saved`` is a state this engine can load for its ``tensor``."""

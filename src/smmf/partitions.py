@@ -147,15 +147,21 @@ def cut_piece_state(whole: Mapping[str, Any], piece: Piece, group: Mapping[str, 
 
 
 def join_piece_states(pieces: Sequence[tuple[int, int, Mapping[str, Any]]], shape: tuple[int, ...],
-                      group: Mapping[str, Any], dtype: torch.dtype, where: str) -> dict[str, Any]:
+                      group: Mapping[str, Any], dtype: torch.dtype, where: str, checked: bool = False) -> dict[str, Any]:
     """A tensor's whole state (as a plain SMMF keeps it) from the states of its pieces on the ranks, each
-    ``(start, numel, state)``; ``ValueError`` unless they tile the tensor and were stepped alike."""
+    ``(start, numel, state)``; ``ValueError`` unless they tile the tensor and were stepped alike (and, ``checked``,
+    unless each piece's state is laid out as :func:`piece_layout` says and they agree on the factors)."""
     pieces = sorted(pieces, key=lambda piece: piece[0])
     ends = [0] + [start + numel for start, numel, _ in pieces]
     if [start for start, _, _ in pieces] != ends[:-1] or ends[-1] != math.prod(shape):
         raise ValueError(f"{where}: the pieces saved of this tensor of shape {shape} (elements "
                          f"{[(start, start + numel) for start, numel, _ in pieces]}) do not tile it: are the files of "
                          "some ranks missing?")
+    if checked:
+        for start, numel, state in pieces:
+            check_loaded_values(piece_layout(Piece(0, shape, start, numel, 0), group, dtype), state, where,
+                                f"the piece of elements {start} .. {start + numel}")
+        _check_same_factors(pieces, shape, group, dtype, where)
     steps = {int(state[STEP]) for _, _, state in pieces}
     if len(steps) != 1:
         raise ValueError(f"{where}: the pieces of this tensor were saved at different steps {sorted(steps)}")
@@ -166,6 +172,18 @@ def join_piece_states(pieces: Sequence[tuple[int, int, Mapping[str, Any]]], shap
     joined = CODES[momentum_code(meta, group)].join([(start, numel, dict(state)) for start, numel, state in pieces],
                                                     shape, layout)
     return {**joined, STEP: steps.pop()}
+
+
+def _check_same_factors(pieces: Sequence[tuple[int, int, Mapping[str, Any]]], shape: tuple[int, ...],
+                        group: Mapping[str, Any], dtype: torch.dtype, where: str) -> None:
+    """The pieces of a tensor stepped across ranks hold the same factors (their sums were added up across them)."""
+    code = CODES[momentum_code(_meta(shape, dtype), group)]
+    shared = [field.key for field in code.fields if not field.own and field.key in pieces[0][2]]
+    for start, _, state in pieces[1:]:
+        for key in shared:
+            if not torch.allclose(state[key].float(), pieces[0][2][key].float(), rtol=1e-5, atol=0):
+                raise ValueError(f"{where}: the pieces saved of this tensor disagree on its '{key}' (the piece from "
+                                 f"element {start} and the first): are they of one run?")
 
 
 def init_pieces(partition: Partition, group: Mapping[str, Any], flat: Tensor) -> dict[str, Any]:

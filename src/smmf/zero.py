@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from types import FrameType
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
@@ -244,14 +245,20 @@ def tensorwise_state(load_dir: Union[str, os.PathLike], tag: Optional[str] = Non
     (stages 1, 2 and 3, saved at any number of ranks; ``tag`` None: the one ``load_dir``'s ``latest`` file names):
     each tensor's state joined from the pieces its ranks saved (:func:`smmf.partitions.join_piece_states`), read
     on the CPU without launching ranks, as DeepSpeed's ``zero_to_fp32`` reads the weights. It loads into an SMMF
-    of the same params in the same groups: in one process, under FSDP2 (``torch.distributed.checkpoint``'s
-    ``set_optimizer_state_dict`` with ``full_state_dict=True``), or under ZeRO at any number of ranks
-    (:func:`load_state`). Raises ``ValueError`` for a checkpoint of another optimizer or one missing ranks' files."""
+    of the same params in the same groups: with ``SMMF.load_state_dict`` in one process or on FSDP2's shards (each
+    rank takes its rows), or under ZeRO at any number of ranks (:func:`load_state`). Raises ``ValueError`` for a
+    checkpoint of another optimizer, one missing ranks' files and pieces that are not SMMF's state of their
+    tensors."""
     found = _tag_folder(load_dir, tag)
     files = sorted(found.glob("*optim_states.pt"), key=_rank_of)
     if not files:
         raise ValueError(f"{found} holds no optimizer state of DeepSpeed ZeRO (no *optim_states.pt file): the weights "
                          "alone were saved, or it is not a ZeRO checkpoint")
+    ranks = [_rank_of(path) for path in files]
+    saved_world = _saved_world(found)
+    if ranks != list(range(len(files))) or (saved_world is not None and saved_world != len(files)):
+        raise ValueError(f"{found} holds the optimizer files of ranks {ranks}, and was saved at "
+                         f"{saved_world or 'an unknown number of'} ranks: are the files of some ranks missing?")
     clients = [_client_state(path) for path in files]
     first = clients[0]
     groups = [{key: value for key, value in group.items() if key != "params"} for group in first["param_groups"]]
@@ -269,13 +276,29 @@ def tensorwise_state(load_dir: Union[str, os.PathLike], tag: Optional[str] = Non
     for ordinal in sorted(pieces):
         group = groups[ordinal_group[ordinal]]
         state[ordinal] = join_piece_states(pieces[ordinal], shapes[ordinal], group, torch.float32,
-                                           f"{found}: parameter {ordinal}")
-    sizes = first.get(GIVEN_GROUPS) or _sizes_from_ordinals(ordinal_group, len(groups))
+                                           f"{found}: parameter {ordinal}", checked=True)
+    sizes = first.get(GIVEN_GROUPS)
+    if sizes is None:  # saved before SMMF recorded them
+        sizes = _sizes_from_ordinals(ordinal_group, len(groups))
+        warnings.warn(f"{found} does not record how many params each group was given (saved by an older smmf): the "
+                      f"groups are taken to hold {sizes}, up to their last param with state; a frozen param after it "
+                      "is counted in the next group, or left out after the last", UserWarning, stacklevel=2)
+    if len(sizes) != len(groups):
+        raise ValueError(f"{found}: {len(groups)} param groups, and the counts of {len(sizes)} recorded")
     param_groups, place = [], 0
     for group, size in zip(groups, sizes):
         param_groups.append({**group, "params": list(range(place, place + size))})
         place += size
     return {"state": state, "param_groups": param_groups}
+
+
+def _saved_world(found: Path) -> Optional[int]:
+    """The number of data-parallel ranks the checkpoint's first model-states file says it was saved at."""
+    first = found / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    if not first.is_file():
+        return None
+    world = _load(first).get("dp_world_size")
+    return int(world) if world is not None else None
 
 
 def _client_state(path: Path) -> dict[str, Any]:
@@ -314,6 +337,7 @@ def load_state(engine: Any, state_dict: dict[str, Any]) -> None:
     client = getattr(zero, "optimizer", None)
     if client is None or not hasattr(client, "_given"):
         raise ValueError("load_state loads SMMF's state into a DeepSpeed engine whose client optimizer is SMMF")
+    refuse_unsupported(zero, None)  # the settings a first step would check (ZeRO-1/2 have taken none yet)
     stage3 = hasattr(zero, "_set_fp32_optimizer_param_groups")  # ZeRO-3 puts its buffers in the groups to load
     if stage3:
         zero._set_fp32_optimizer_param_groups()

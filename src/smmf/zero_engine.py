@@ -26,7 +26,7 @@ from .partitions import (Partition, check_loaded_pieces, check_pieces, cut_piece
                          step_partition_)
 from .codes import BIT_FIELDS
 from .schema import PIECES, PLACES
-from .sharding import bits_from_checkpoint, local
+from .sharding import bits_from_checkpoint, is_dtensor
 from .state import STEP, check_loaded_values, state_layout
 from .zero import GIVEN_GROUPS, find_partition, is_deepspeed_buffer
 from .zero import stepping_to_make_state as stepping_to_make_state
@@ -77,14 +77,32 @@ class _BufferStep:
             state[STEP] = self.counts[id(state)]
 
 
-def _bits_flat(whole: Any, shape: tuple[int, ...]) -> Any:
+def _bits_flat(whole: Any, shape: tuple[int, ...], where: str) -> Any:
     """A tensor's state with its packed bits as one run keeps them (flat), from the layout by rows of the param of
     an FSDP2 run's full state dict (:func:`smmf.sharding.bits_for_checkpoint`) where they are saved so."""
     if not isinstance(whole, dict):
         return whole
+    if any(is_dtensor(value) for value in whole.values()):
+        raise ValueError(f"{where}: the state holds DTensors (an FSDP2 run's sharded state dict): save its full state "
+                         "dict for ZeRO (get_optimizer_state_dict with StateDictOptions(full_state_dict=True))")
     shaped = torch.empty(()).expand(shape)  # the shape alone, on the CPU
-    return {key: bits_from_checkpoint(local(value), shaped) if key in BIT_FIELDS and isinstance(value, Tensor)
-            and value.dim() == 2 else value for key, value in whole.items()}
+    try:
+        return {key: bits_from_checkpoint(value, shaped) if key in BIT_FIELDS and isinstance(value, Tensor)
+                and value.dim() == 2 else value for key, value in whole.items()}
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _refusals(error: Optional[str]) -> list[tuple[int, str]]:
+    """Each rank's refusal of a load (``error``: this rank's, or None), gathered over the ranks: one refusing
+    stops all, before any of them changes anything."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [(0, error)] if error is not None else []
+    everyone: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, error)
+    return [(rank, message) for rank, message in enumerate(everyone) if message is not None]
 
 
 class ZeroEngine(Engine):
@@ -206,7 +224,8 @@ class ZeroEngine(Engine):
         """A plain SMMF's state dict of the model's params (its ids their places over the groups, as the ordinals
         of ZeRO's pieces are) as this rank's buffers' states, each piece cut from its tensor's state
         (:func:`smmf.partitions.cut_piece_state`): a run saved at any number of ranks, in one process or under
-        FSDP2 continues under ZeRO. A collective where a buffer is seen first (its pieces are gathered)."""
+        FSDP2 continues under ZeRO. Collective: every buffer's pieces are mapped first (gathered where a buffer is
+        seen first), and the ranks agree on the outcome, so that a state one rank refuses is refused by all."""
         states, saved_groups = state_dict.get("state"), state_dict.get("param_groups")
         if not (holds_buffers(self.optimizer) and isinstance(states, dict) and isinstance(saved_groups, list)):
             return state_dict
@@ -215,6 +234,22 @@ class ZeroEngine(Engine):
         groups = self.groups(self.optimizer.param_groups)
         if not states and [len(saved.get("params", ())) for saved in saved_groups] == [len(g["params"]) for g in groups]:
             return state_dict
+        partitions = [[self._partition_of(buffer) for buffer in group["params"]] for group in groups]
+        converted, error = None, None
+        try:
+            converted = self._converted(state_dict, groups, partitions)
+        except ValueError as err:
+            error = str(err)
+        refused = _refusals(error)
+        if refused:
+            rank, message = refused[0]
+            raise ValueError(message if error is not None else f"rank {rank} refused the state dict: {message}")
+        assert converted is not None
+        return converted
+
+    def _converted(self, state_dict: dict[str, Any], groups: list[dict[str, Any]],
+                   partitions: list[list[Optional[Partition]]]) -> dict[str, Any]:
+        states, saved_groups = state_dict["state"], state_dict["param_groups"]
         if len(saved_groups) != len(groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer has "
                              f"{len(groups)}")
@@ -233,33 +268,34 @@ class ZeroEngine(Engine):
         if unknown:
             raise ValueError(f"loaded state dict has state for parameters {unknown} that no group lists")
         by_ordinal = {ordinal: states[pid] for ordinal, pid in enumerate(ids) if pid in states}
+        names = {ordinal: pid for ordinal, pid in enumerate(ids)}
         own_states: dict[int, Any] = {}
         own_groups, index = [], 0
-        for group, saved in zip(groups, saved_groups):
+        for group, saved, buffers in zip(groups, saved_groups, partitions):
             options = {**group, **{key: value for key, value in saved.items() if key != "params"}}
             own_groups.append({**saved, "params": list(range(index, index + len(group["params"])))})
-            for buffer in group["params"]:
-                partition = self._partition_of(buffer)
+            for buffer, partition in zip(group["params"], buffers):
                 if partition is None:
                     raise ValueError("a tensor-wise SMMF state loads under DeepSpeed ZeRO into groups of ZeRO's flat "
                                      "buffers only")
                 held = [piece for piece in partition.pieces if piece.ordinal in by_ordinal]
                 if held and len(held) != len(partition.pieces):
-                    absent = sorted(p.ordinal for p in partition.pieces if p.ordinal not in by_ordinal)
+                    absent = sorted(str(names[p.ordinal]) for p in partition.pieces if p.ordinal not in by_ordinal)
                     raise ValueError(f"the loaded state dict holds the state of some of the parameters this rank's "
                                      f"ZeRO buffer steps and not of parameters {absent}")
                 if held:
-                    own_states[index] = self._cut(partition, options, buffer.dtype, by_ordinal)
+                    own_states[index] = self._cut(partition, options, buffer.dtype, by_ordinal, names)
                 index += 1
         return {**state_dict, "state": own_states, "param_groups": own_groups}
 
     @staticmethod
-    def _cut(partition: Partition, options: dict[str, Any], dtype: torch.dtype,
-             by_ordinal: dict[int, Any]) -> dict[str, Any]:
+    def _cut(partition: Partition, options: dict[str, Any], dtype: torch.dtype, by_ordinal: dict[int, Any],
+             names: dict[int, Any]) -> dict[str, Any]:
         pieces = {}
         for piece in partition.pieces:
-            whole = _bits_flat(by_ordinal[piece.ordinal], piece.shape)
+            where = f"parameter {names[piece.ordinal]}"
+            whole = _bits_flat(by_ordinal[piece.ordinal], piece.shape, where)
             layout = state_layout(torch.empty(piece.shape, dtype=dtype, device="meta"), options)
-            check_loaded_values(layout, whole, f"parameter {piece.ordinal}", f"a parameter of shape {piece.shape}")
+            check_loaded_values(layout, whole, where, f"a parameter of shape {piece.shape}")
             pieces[piece.ordinal] = cut_piece_state(whole, piece, options, dtype)
         return {PIECES: pieces, PLACES: {piece.ordinal: piece.place for piece in partition.pieces}}

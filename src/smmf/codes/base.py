@@ -105,7 +105,8 @@ class Code:
 
     def cut(self, whole: dict[str, Any], shape: tuple[int, ...], start: int, numel: int) -> dict[str, Any]:
         """The state of the piece ``start .. start + numel`` of a param of ``shape`` whose whole state is ``whole``
-        (tensors only), laid out as :meth:`piece_layout` lays it out: what a rank holding that piece keeps."""
+        (tensors only), laid out as :meth:`piece_layout` lays it out: what a rank holding that piece keeps. Real
+        params (ZeRO's buffers are real; ``start`` and ``numel`` count real elements)."""
         return {key: self._cut_own(key, shape, value, start, numel) if self._own(key) else value.clone()
                 for key, value in whole.items()}
 
@@ -117,7 +118,7 @@ class Code:
                 for key, spec in layout.items()}
 
     def _own(self, key: str) -> bool:
-        return next(field.own for field in self.fields if field.key == key)
+        return next((field.own for field in self.fields if field.key == key), False)
 
     def _cut_own(self, key: str, shape: tuple[int, ...], value: Tensor, start: int, numel: int) -> Tensor:
         """A field of one packed bit per element (:func:`smmf.matrix.pack_signs`), from the piece's first."""
