@@ -507,6 +507,8 @@ def travel_refusals(rank: int, world: int, out: Path, cases: list[Case]) -> dict
     states that do not fit: the recommended code's (``settings["other_code"]``' folder), its own with a tensor of
     another shape (another model's), and torch's Adam's. For each: the error, and whether SMMF's state and
     DeepSpeed's fp32 masters stayed as they were."""
+    import torch.distributed as dist
+
     import smmf.zero
 
     results: dict[str, Any] = {}
@@ -530,10 +532,13 @@ def travel_refusals(rank: int, world: int, out: Path, cases: list[Case]) -> dict
                 error = None
             except ValueError as err:
                 error = str(err)
+            same = len(state) == len(_state_tensors(client)) and all(
+                torch.equal(a, b) for a, b in zip(state, _state_tensors(client)))
+            verdicts: list[Any] = [None] * world  # every rank's: each must refuse, and change nothing
+            dist.all_gather_object(verdicts, (error, same))
             results[name][label] = {
                 "error": error, "same_masters": all(torch.equal(a, b) for a, b in zip(kept, masters(engine))),
-                "same_state": len(state) == len(_state_tensors(client)) and all(
-                    torch.equal(a, b) for a, b in zip(state, _state_tensors(client)))}
+                "same_state": same, "ranks": verdicts}
         engine.destroy()
     return results
 
