@@ -553,17 +553,11 @@ def _fsdp2_model(world: int, weights: Optional[list[torch.Tensor]] = None) -> nn
         with torch.no_grad():
             for param, weight in zip(model.parameters(), weights):
                 param.copy_(weight)
-    mesh = init_device_mesh("cpu", (dist_world(),))
+    mesh = init_device_mesh("cpu", (world,))
     for child in model.children():
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def dist_world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()
 
 
 def _fsdp2_train(model: nn.Module, optimizer, steps: range, rank: int, world: int) -> None:

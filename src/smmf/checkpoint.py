@@ -22,7 +22,8 @@ from .sharding import (bits_for_checkpoint, bits_from_checkpoint, has_rows_layou
 from .codes import BIT_FIELDS
 from .state import MOMENTUM_CODE_DEFAULTS, STEP, check_loaded_state, state_layout
 
-__all__ = ["ParamOf", "bits_by_rows", "bits_in_memory_layout", "check_loadable", "loaded_state", "saved_params"]
+__all__ = ["ParamOf", "bits_by_rows", "bits_in_memory_layout", "check_loadable", "check_smmf_group", "loaded_state",
+           "saved_params"]
 
 # Each saved param id's param and the options its checkpoint is continued with.
 ParamOf = dict[Any, tuple[Tensor, dict[str, Any]]]
@@ -118,17 +119,23 @@ def check_loadable(groups: list[dict[str, Any]], defaults: dict[str, Any], state
     return param_of
 
 
+def check_smmf_group(index: int, group: dict[str, Any], saved: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless the saved param group ``saved`` holds SMMF's options (those an old checkpoint
+    may lack aside) and no key SMMF, ``group`` and torch do not know."""
+    missing = sorted(set(registry.names(optional=False)) - set(saved))
+    foreign = sorted(set(saved) - set(defaults) - set(group) - {"params", *_TORCH_GROUP_KEYS})
+    if missing or foreign:
+        raise ValueError(f"loaded parameter group {index} does not hold SMMF's options (lacks {missing}, has unknown "
+                         f"{foreign}): is it another optimizer's state dict?")
+
+
 def _continued_options(index: int, group: dict[str, Any], saved: dict[str, Any],
                        defaults: dict[str, Any]) -> dict[str, Any]:
     """The options a saved group continues with: its own, but for the runtime choices, which stay ``group``'s."""
     if len(group["params"]) != len(saved["params"]):
         raise ValueError(f"loaded parameter group {index} has {len(saved['params'])} parameters, the optimizer's has "
                          f"{len(group['params'])}")
-    missing = sorted(set(registry.names(optional=False)) - set(saved))
-    foreign = sorted(set(saved) - set(defaults) - set(group) - {"params", *_TORCH_GROUP_KEYS})
-    if missing or foreign:
-        raise ValueError(f"loaded parameter group {index} does not hold SMMF's options (lacks {missing}, has unknown "
-                         f"{foreign}): is it another optimizer's state dict?")
+    check_smmf_group(index, group, saved, defaults)
     # The options that decide the state's layout: a checkpoint written with others cannot be continued (one
     # without them was written with the paper's code).
     for key, default in MOMENTUM_CODE_DEFAULTS.items():

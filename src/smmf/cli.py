@@ -34,11 +34,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _zero_to_plain(checkpoint_dir: str, out: str, tag: Optional[str]) -> int:
     import torch
 
+    from .state import STEP
     from .zero import tensorwise_state
 
     state_dict = tensorwise_state(checkpoint_dir, tag)
     torch.save(state_dict, out)
-    steps = sorted({int(state["step"]) for state in state_dict["state"].values()})
+    steps = sorted({int(state[STEP]) for state in state_dict["state"].values()})
     print(f"{out}: SMMF's state of {len(state_dict['state'])} parameters in {len(state_dict['param_groups'])} "
           f"group(s), at step {', '.join(map(str, steps)) or 'none'}; load it with SMMF.load_state_dict (one process, "
           "FSDP2) or smmf.zero.load_state(engine, state_dict) under ZeRO")

@@ -38,10 +38,10 @@ from torch import Tensor
 
 from .noise import dither
 
-__all__ = ["BLOCK", "NEGATIVE", "SEVENTH", "TOP_LEVEL", "PieceBlocks", "block_span", "codes_shape", "decode_levels",
+__all__ = ["BLOCK", "NEGATIVE", "SEVENTH", "TOP_LEVEL", "PieceBlocks", "block_span", "codes_of_elements", "codes_shape",
+           "decode_levels",
            "decode_piece_levels", "encode_levels", "encode_piece_levels", "levels_rows_cols", "levels_shape",
-           "piece_block_maxima", "piece_blocks", "piece_codes_shape", "scales_shape", "codes_of_elements",
-           "packed_codes"]
+           "packed_codes", "piece_block_maxima", "piece_blocks", "piece_codes_shape", "scales_shape"]
 
 BLOCK = 128  # elements of a row that share a scale
 TOP_LEVEL = 7  # levels j = 0 .. 7: magnitudes j/7 of the block's scale (3 bits)
@@ -87,6 +87,18 @@ def per_element(per_block: Tensor, cols: int) -> Tensor:
     return per_block.repeat_interleave(BLOCK, dim=1)[:, :cols]
 
 
+def packed_codes(code: Tensor) -> Tensor:
+    """4-bit codes (one a byte) two per byte along the last dim, the even one in the low nibble; the last byte's high
+    nibble 0 for an odd count."""
+    code = torch.nn.functional.pad(code, (0, code.shape[-1] % 2))
+    return code[..., 0::2] | (code[..., 1::2] << 4)
+
+
+def codes_of_elements(codes: Tensor, count: int) -> Tensor:
+    """:func:`packed_codes`' inverse: one code a byte along the last dim, its first ``count``."""
+    return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)[..., :count]
+
+
 def encode_levels(m: Tensor, salt: Optional[int] = None, first: int = 0) -> tuple[Tensor, Tensor]:
     """``(codes, scales)`` of a rows × cols M (fp32 or fp64): each level the nearest (ties up), or with
     ``salt`` rounded stochastically by :func:`dither` (``first``: the index of M's first element in its
@@ -99,15 +111,12 @@ def encode_levels(m: Tensor, salt: Optional[int] = None, first: int = 0) -> tupl
     inverse = per_element(torch.where(scale > 0, torch.full_like(scale, TOP_LEVEL) / positive, 0.0), cols)
     offset = 0.5 if salt is None else dither(salt, first, rows * cols, m.dtype, m.device).view(rows, cols)
     level = (m.abs() * inverse + offset).nan_to_num_(nan=0.0).floor_().clamp_(max=TOP_LEVEL).to(torch.uint8)
-    code = level | (m < 0).to(torch.uint8) * NEGATIVE
-    code = torch.nn.functional.pad(code, (0, cols % 2))
-    return code[:, 0::2] | (code[:, 1::2] << 4), scales
+    return packed_codes(level | (m < 0).to(torch.uint8) * NEGATIVE), scales
 
 
 def decode_levels(codes: Tensor, scales: Tensor, cols: int, dtype: torch.dtype) -> Tensor:
     """M̂ (rows × cols in ``dtype``) from :func:`encode_levels`' output: ``±j · (scale · ⅐)``."""
-    rows = codes.shape[0]
-    code = torch.stack([codes & 15, codes >> 4], dim=2).view(rows, -1)[:, :cols]
+    code = codes_of_elements(codes, cols)
     magnitude = (code & TOP_LEVEL).to(dtype) * per_element(scales.to(dtype) * SEVENTH, cols)
     return torch.where(code >= NEGATIVE, -magnitude, magnitude)
 
@@ -151,16 +160,6 @@ def piece_codes_shape(count: int) -> tuple[int]:
     return ((count + 1) // 2,)
 
 
-def codes_of_elements(codes: Tensor, count: int) -> Tensor:
-    """The 4-bit codes packed two per byte (the even element in the low nibble), one byte each: the first
-    ``count``."""
-    return torch.stack([codes.reshape(-1) & 15, codes.reshape(-1) >> 4], dim=1).view(-1)[:count]
-
-
-def packed_codes(code: Tensor) -> Tensor:
-    """:func:`codes_of_elements`' inverse: two per byte, the last byte's high nibble 0 for an odd count."""
-    code = torch.nn.functional.pad(code.reshape(-1), (0, code.numel() % 2))
-    return code[0::2] | (code[1::2] << 4)
 
 
 def piece_block_maxima(m: Tensor, blocks: PieceBlocks) -> Tensor:
@@ -182,12 +181,11 @@ def encode_piece_levels(m: Tensor, maxima: Tensor, blocks: PieceBlocks, salt: Op
     inverse = torch.where(scale > 0, torch.full_like(scale, TOP_LEVEL) / positive, 0.0)[blocks.of_element]
     offset = 0.5 if salt is None else dither(salt, first, m.numel(), m.dtype, m.device)
     level = (m.abs() * inverse + offset).nan_to_num_(nan=0.0).floor_().clamp_(max=TOP_LEVEL).to(torch.uint8)
-    code = torch.nn.functional.pad(level | (m < 0).to(torch.uint8) * NEGATIVE, (0, m.numel() % 2))
-    return code[0::2] | (code[1::2] << 4), scales
+    return packed_codes(level | (m < 0).to(torch.uint8) * NEGATIVE), scales
 
 
 def decode_piece_levels(codes: Tensor, scales: Tensor, blocks: PieceBlocks, dtype: torch.dtype) -> Tensor:
     """M̂ of a piece (flat, in ``dtype``) from :func:`encode_piece_levels`' output."""
-    code = torch.stack([codes & 15, codes >> 4], dim=1).view(-1)[: blocks.of_element.numel()]
+    code = codes_of_elements(codes, blocks.of_element.numel())
     magnitude = (code & TOP_LEVEL).to(dtype) * (scales.to(dtype) * SEVENTH)[blocks.of_element]
     return torch.where(code >= NEGATIVE, -magnitude, magnitude)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .codes import CODES
+from .codes import CODES, Code
 from .dispatch import Kernel, shard_backend, step_kernel
 from .functional import Nonfinite, StepConfig, torch_step_
 from .schema import PIECES, PLACES
@@ -157,27 +157,25 @@ def join_piece_states(pieces: Sequence[tuple[int, int, Mapping[str, Any]]], shap
         raise ValueError(f"{where}: the pieces saved of this tensor of shape {shape} (elements "
                          f"{[(start, start + numel) for start, numel, _ in pieces]}) do not tile it: are the files of "
                          "some ranks missing?")
+    meta = _meta(shape, dtype)
+    code = CODES[momentum_code(meta, group)]
     if checked:
         for start, numel, state in pieces:
             check_loaded_values(piece_layout(Piece(0, shape, start, numel, 0), group, dtype), state, where,
                                 f"the piece of elements {start} .. {start + numel}")
-        _check_same_factors(pieces, shape, group, dtype, where)
+        _check_same_factors(pieces, code, where)
     steps = {int(state[STEP]) for _, _, state in pieces}
     if len(steps) != 1:
         raise ValueError(f"{where}: the pieces of this tensor were saved at different steps {sorted(steps)}")
-    meta = _meta(shape, dtype)
     layout = state_layout(meta, group)
     if len(pieces) == 1:
         return {**{key: pieces[0][2][key] for key in layout}, STEP: steps.pop()}
-    joined = CODES[momentum_code(meta, group)].join([(start, numel, dict(state)) for start, numel, state in pieces],
-                                                    shape, layout)
+    joined = code.join([(start, numel, dict(state)) for start, numel, state in pieces], shape, layout)
     return {**joined, STEP: steps.pop()}
 
 
-def _check_same_factors(pieces: Sequence[tuple[int, int, Mapping[str, Any]]], shape: tuple[int, ...],
-                        group: Mapping[str, Any], dtype: torch.dtype, where: str) -> None:
+def _check_same_factors(pieces: Sequence[tuple[int, int, Mapping[str, Any]]], code: Code, where: str) -> None:
     """The pieces of a tensor stepped across ranks hold the same factors (their sums were added up across them)."""
-    code = CODES[momentum_code(_meta(shape, dtype), group)]
     shared = [field.key for field in code.fields if not field.own and field.key in pieces[0][2]]
     for start, _, state in pieces[1:]:
         for key in shared:

@@ -20,10 +20,10 @@ from torch import Tensor
 from .dispatch import Route, RouteWhere, bump_versions
 from .engine import Engine, EngineStep
 from .optimizer import SMMF
-from . import options as registry
 from .options import StepConfigs
 from .partitions import (Partition, check_loaded_pieces, check_pieces, cut_piece_state, init_pieces, piece_layout,
                          step_partition_)
+from .checkpoint import check_smmf_group
 from .codes import BIT_FIELDS
 from .schema import PIECES, PLACES
 from .sharding import bits_from_checkpoint, is_dtensor
@@ -253,11 +253,8 @@ class ZeroEngine(Engine):
         if len(saved_groups) != len(groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer has "
                              f"{len(groups)}")
-        for index, saved in enumerate(saved_groups):
-            missing = sorted(set(registry.names(optional=False)) - set(saved))
-            if missing:
-                raise ValueError(f"loaded parameter group {index} does not hold SMMF's options (lacks {missing}): is "
-                                 "it another optimizer's state dict?")
+        for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+            check_smmf_group(index, group, saved, self.optimizer.defaults)
         ids = [pid for saved in saved_groups for pid in saved.get("params", ())]
         given = self.optimizer._given.group_sizes
         if [len(saved.get("params", ())) for saved in saved_groups] != given:

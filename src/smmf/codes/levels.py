@@ -56,22 +56,20 @@ class Levels(Code):
         if key == SCALES_M:  # the blocks the piece touches, counted over the param row by row
             first, last = block_span(shape, math.prod(shape), start, numel)
             return value.reshape(-1)[first:last + 1].clone()
-        rows, cols = levels_shape(shape, math.prod(shape))
-        code = codes_of_elements(value, value.numel() * 2).view(rows, -1)[:, :cols]
-        return packed_codes(code.reshape(-1)[start:start + numel])
+        _, cols = levels_shape(shape, math.prod(shape))
+        return packed_codes(codes_of_elements(value, cols).reshape(-1)[start:start + numel])
 
     def _join_own(self, key: str, shape: tuple[int, ...], pieces: Sequence[PieceState], spec: TensorSpec) -> Tensor:
         numel = math.prod(shape)
         if key == SCALES_M:  # a block two pieces cut has the same scale in both (the largest |M| over the ranks)
-            scales = torch.zeros(math.prod(spec.shape), dtype=spec.dtype)
+            scales = pieces[0][2][key].new_zeros(math.prod(spec.shape))
             for start, count, state in pieces:
                 first, last = block_span(shape, numel, start, count)
-                scales[first:last + 1] = state[key].cpu()
-            return scales.view(spec.shape).to(pieces[0][2][key].device)
+                scales[first:last + 1] = state[key]
+            return scales.view(spec.shape)
         rows, cols = levels_shape(shape, numel)
-        code = torch.cat([codes_of_elements(state[key], count) for _, count, state in pieces]).view(rows, cols)
-        code = torch.nn.functional.pad(code, (0, cols % 2))  # each row's codes from its first element, as whole
-        return code[:, 0::2] | (code[:, 1::2] << 4)
+        code = torch.cat([codes_of_elements(state[key], count) for _, count, state in pieces])
+        return packed_codes(code.view(rows, cols))  # each row's codes from its first element, as a whole param's
 
 
 LEVELS = Levels()
